@@ -1,0 +1,1 @@
+"""Evaluation harness: datasets, experiment configs, resumable result files, reports and plots."""

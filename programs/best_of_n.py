@@ -1,0 +1,49 @@
+"""Best-of-N: N independent whole solutions from one forked prompt, every step scored, one answer picked.
+
+Selection (config.selection): `best` takes the highest-scoring path, `weighted` sums path scores per answer,
+`majority` counts answers.
+"""
+
+from __future__ import annotations
+
+import sglang as sgl
+
+from sgl_tts.grading import extract_answer
+from sgl_tts.records import SearchResult
+from sgl_tts.search import (Path, Runtimes, SearchConfig, SearchTracker, build_result, finish,
+                            split_steps, wait_meta)
+
+
+@sgl.function
+def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchTracker):
+    s += prompt
+    s.text()  # commit the prompt so the fork pre-caches it (DESIGN.md)
+    forks = s.fork(config.n)
+    for fork in forks:
+        fork += sgl.gen("solution", max_tokens=config.max_tokens, temperature=config.temperature,
+                        top_p=config.top_p)
+    paths = []
+    for fork in forks:
+        meta = wait_meta(fork, "solution")
+        tracker.record(meta)
+        text = fork["solution"]
+        path = Path(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
+                    tokens=int(meta.get("completion_tokens", 0)))
+        path.answer = extract_answer(text)
+        reason = (meta.get("finish_reason") or {}).get("type")
+        finish(path, "answer" if path.answer else ("max_tokens" if reason == "length" else "eos"), tracker)
+        paths.append(path)
+    forks.join()
+    return paths
+
+
+def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
+    tracker = SearchTracker(config)
+    prompt = runtimes.prompt(problem.question)
+    state = best_of_n_program.run(prompt=prompt, config=config, tracker=tracker, backend=runtimes.generator)
+    paths = state.ret_value
+    tracker.generator_time_s = tracker.elapsed()
+    tracker.iterations = 1
+    if runtimes.scorer is not None:
+        tracker.score(runtimes.scorer, prompt, paths)
+    return build_result(problem.id, "best_of_n", paths, config, tracker)

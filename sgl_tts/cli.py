@@ -1,0 +1,96 @@
+"""The `sgl-tts` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _cmd_programs(args: argparse.Namespace) -> int:
+    from sgl_tts.registry import program_names, program_summary
+
+    for name in program_names():
+        print(f"{name:24s} {program_summary(name)}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from eval.datasets import load_problems
+    from sgl_tts.report import print_run
+    from sgl_tts.session import Session, load_run_config
+
+    config = load_run_config(args.config)
+    search_overrides = {}
+    if args.program:
+        search_overrides["program"] = args.program
+    if args.n:
+        search_overrides["n"] = args.n
+    if search_overrides:
+        config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
+    if args.device:
+        config = dataclasses.replace(config, generator=dataclasses.replace(config.generator, device=args.device))
+        if config.scorer.runtime is not None:
+            scorer_runtime = dataclasses.replace(config.scorer.runtime, device=args.device)
+            config = dataclasses.replace(config, scorer=dataclasses.replace(config.scorer, runtime=scorer_runtime))
+    limit = args.limit if args.limit is not None else config.dataset.limit
+    problems = load_problems(config.dataset.name, limit=limit, offset=config.dataset.offset)
+    print(f"sgl-tts run: program={config.search.program} n={config.search.n} "
+          f"model={config.generator.model} device={config.generator.device} problems={len(problems)}", flush=True)
+    with Session(config) as session:
+        print(f"runtimes ready in {session.started_s:.0f} s: "
+              + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
+        return print_run(session.solve_all(problems), config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgl-tts", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    programs = commands.add_parser("programs", help="list the registered search programs")
+    programs.set_defaults(func=_cmd_programs)
+
+    run = commands.add_parser("run", help="run a search program over a problem set")
+    run.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML)")
+    run.add_argument("--program", help="override search.program")
+    run.add_argument("--n", type=int, help="override search.n")
+    run.add_argument("--limit", type=int, help="only the first LIMIT problems")
+    run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
+    run.set_defaults(func=_cmd_run)
+
+    bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    bench_commands = bench.add_subparsers(dest="bench", required=True)
+    from sgl_tts.bench_runtime import add_bench_runtime_parser
+
+    add_bench_runtime_parser(bench_commands)
+
+    plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
+    plan_commands = plan.add_subparsers(dest="plan", required=True)
+    from sgl_tts.specdec import add_plan_spec_parser
+
+    add_plan_spec_parser(plan_commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eval.datasets import DatasetError
+    from sgl_tts.config import ConfigError
+    from sgl_tts.models import ModelNotFoundError
+    from sgl_tts.runtime import RuntimeStartError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, KeyError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"sgl-tts: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`Qwen2ForProcessRewardModel` for SGLang: a Qwen2 step classifier read out at every step token.
+
+Qwen2.5-Math-PRM applies a 2-layer head, Linear(h, h) -> ReLU -> Linear(h, 2), to the last hidden
+state of every token; the reward of step i is softmax(head logits at the i-th step token `<extra_0>`)[1].
+This class runs in SGLang's embedding path (`--is-embedding`, `/encode`): for each request it returns a
+[num_readouts, 2] tensor of class probabilities, which `/encode` answers as `"embedding": [[p0, p1], ...]`.
+
+Readout positions of a request, in order of precedence:
+1. `token_indices_to_pool` of the request (SGLang's multi-position readout field of `/encode`): positions
+   in the full prompt. `sgl_tts.prm_models.client` sends the positions of the step token.
+2. every occurrence of `config.step_token_id`, when the config names it (the tiny test checkpoint does;
+   for the real checkpoint add `--json-model-override-args '{"step_token_id": 151651}'`).
+3. otherwise the last token, a single whole-response score.
+
+Positions are full-prompt coordinates, so the runtime must prefill each request whole: the class refuses
+to start without `--disable-radix-cache` and `--chunked-prefill-size -1` (a step token in a cached prefix
+or an earlier chunk would be silently skipped), the same rule SGLang applies to its own multi-position
+scoring.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from transformers import Qwen2Config
+
+from sglang.srt.layers.pooler import EmbeddingPoolerOutput
+from sglang.srt.layers.quantization.base_config import QuantizationConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.models.qwen2 import Qwen2Model
+from sglang.srt.runtime_context import get_memory, get_model, get_schedule
+from sglang.srt.utils import add_prefix
+
+# SGLang fuses q/k/v and gate/up into one parameter each: (fused name, checkpoint name, shard id).
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class Qwen2ForProcessRewardModel(nn.Module):
+    def __init__(self, config: Qwen2Config, quant_config: Optional[QuantizationConfig] = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        _check_server_args()
+        self.config = config
+        self.model = Qwen2Model(config, quant_config=quant_config, prefix=add_prefix("model", prefix))
+        self.score = nn.Sequential(
+            nn.Linear(config.hidden_size, config.hidden_size), nn.ReLU(), nn.Linear(config.hidden_size, 2)
+        )
+        self.step_token_id = getattr(config, "step_token_id", None)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = True) -> EmbeddingPoolerOutput:
+        assert get_embedding, "Qwen2ForProcessRewardModel runs only as an embedding model (--is-embedding)"
+        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
+        rows = self._readout_rows(input_ids, forward_batch)
+        flat = torch.cat(rows).to(hidden_states.device)
+        probs = torch.softmax(self.score(hidden_states[flat]).float(), dim=-1)
+        return EmbeddingPoolerOutput(embeddings=list(probs.split([len(r) for r in rows])))
+
+    def _readout_rows(self, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> list[torch.Tensor]:
+        """Per request, the rows of the flattened batch to read out (int64, on CPU)."""
+        rows, start = [], 0
+        requested = forward_batch.token_indices_to_pool
+        for i, length in enumerate(forward_batch.extend_seq_lens_cpu):
+            if requested is not None:
+                local = requested[i].to(torch.int64)
+            elif self.step_token_id is not None:
+                local = (input_ids[start:start + length] == self.step_token_id).nonzero().flatten().cpu()
+            else:
+                local = torch.tensor([length - 1], dtype=torch.int64)
+            rows.append(local + start)
+            start += length
+        return rows
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF names (`model.*`, `score.0.*`, `score.2.*`); any tensor or parameter left over is an error."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith("lm_head.") or "rotary_emb." in name:
+                continue
+            for fused, part, shard in _STACKED_PARAMS:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    params[target].weight_loader(params[target], tensor, shard)
+                    break
+            else:
+                target = name
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                getattr(params[target], "weight_loader", default_weight_loader)(params[target], tensor)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint has no tensor for parameters {missing}")
+        return loaded
+
+
+def _check_server_args() -> None:
+    problems = []
+    if not get_model().is_embedding:
+        problems.append("--is-embedding (it runs in the embedding path)")
+    if not get_memory().disable_radix_cache:
+        problems.append("--disable-radix-cache (a step token in a cached prefix would not be read out)")
+    chunked = get_schedule().chunked_prefill_size
+    if chunked is not None and chunked > 0:
+        problems.append(f"--chunked-prefill-size -1, not {chunked} (a step token in an earlier chunk "
+                        "would not be read out)")
+    if problems:
+        raise ValueError("Qwen2ForProcessRewardModel needs " + "; ".join(problems))
+
+
+EntryClass = [Qwen2ForProcessRewardModel]

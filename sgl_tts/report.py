@@ -1,0 +1,43 @@
+"""Console report of a run: one line per problem as it finishes, then a summary."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Iterable
+
+from sgl_tts.grading import grade
+from sgl_tts.records import SearchResult
+
+
+def _short(text: str | None, width: int = 12) -> str:
+    text = "-" if text is None else str(text).replace("\n", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
+    """Print each (problem, result) and a summary; returns the exit code (0, or 1 if any search failed)."""
+    header = f"{'problem':14s} {'gold':>8s} {'answer':>12s} {'ok':>3s} {'tokens':>7s} {'time s':>7s} {'goodput':>8s} {'cached':>7s}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for problem, result in results:
+        correct = grade(result.answer, problem.gold) if problem.gold is not None else False
+        rows.append((correct, result))
+        print(f"{_short(problem.id, 14):14s} {_short(problem.gold, 8):>8s} {_short(result.answer):>12s} "
+              f"{'yes' if correct else 'no':>3s} {result.generated_tokens:7d} {result.total_time_s:7.1f} "
+              f"{result.precise_goodput:8.2f} {result.cache_hit_rate:7.0%}"
+              + (f"  error: {result.error}" if result.error else ""), flush=True)
+    if not rows:
+        print("no problems")
+        return 0
+    solved = sum(1 for correct, _ in rows if correct)
+    results_only = [r for _, r in rows]
+    total_tokens = sum(r.generated_tokens for r in results_only)
+    print("-" * len(header))
+    print(f"solved {solved}/{len(rows)} ({solved / len(rows):.0%}) | generated tokens {total_tokens} | "
+          f"precise goodput mean {statistics.fmean(r.precise_goodput for r in results_only):.2f} tok/s | "
+          f"latency p50 {statistics.median(r.total_time_s for r in results_only):.1f} s | "
+          f"generator {sum(r.generator_time_s for r in results_only):.0f} s, "
+          f"verifier {sum(r.verifier_time_s for r in results_only):.0f} s | "
+          f"prefix cache hit {sum(r.cached_tokens for r in results_only) / max(1, sum(r.prompt_tokens for r in results_only)):.0%}")
+    return 1 if any(r.error for r in results_only) else 0

@@ -1,0 +1,237 @@
+"""Start and stop SGLang runtimes (one server process group each) on 127.0.0.1.
+
+A runtime is `python -m sglang.launch_server` in its own process session, so that stopping it reaches the
+scheduler and detokenizer children too. On CPU it runs with the shim (DESIGN.md): the CPU engine switch,
+torch-native attention, fp32 and the one-symbol libcuda stub first on LD_LIBRARY_PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sgl_tts.models import resolve_model
+
+LOCALHOST = "127.0.0.1"
+
+
+class RuntimeStartError(RuntimeError):
+    """A runtime did not become ready; the message carries the tail of its log."""
+
+
+class RuntimeDiedError(RuntimeError):
+    """A runtime stopped answering while a search was using it."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: str = "smollm2-135m"  # built-in name, local HF folder or hub id (see sgl_tts.models)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
+    attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
+    host: str = LOCALHOST
+    port: int | None = None  # None: a free port
+    max_total_tokens: int | None = None  # KV token budget (the memory planner sets it)
+    mem_fraction_static: float | None = None
+    chunked_prefill_size: int | None = None
+    max_running_requests: int | None = None
+    cpu_threads: int | None = None  # torch threads in the scheduler process (CPU only)
+    random_seed: int = 0
+    startup_timeout_s: float = 600.0
+    is_embedding: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[str]:
+    """The launch_server command line for `config`."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--host", config.host, "--port", str(port), "--device", config.device,
+           "--random-seed", str(config.random_seed), "--log-level", "info"]
+    dtype = config.dtype
+    attention = config.attention_backend
+    if config.device == "cpu":
+        dtype = "float32" if dtype == "auto" else dtype
+        attention = attention or "torch_native"
+        cmd += ["--sleep-on-idle", "--disable-cuda-graph"]
+    cmd += ["--dtype", dtype]
+    if attention:
+        cmd += ["--attention-backend", attention]
+    optional = {
+        "--max-total-tokens": config.max_total_tokens,
+        "--mem-fraction-static": config.mem_fraction_static,
+        "--chunked-prefill-size": config.chunked_prefill_size,
+        "--max-running-requests": config.max_running_requests,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    if config.is_embedding:
+        cmd.append("--is-embedding")
+    return cmd + list(config.extra_args)
+
+
+def server_env(config: RuntimeConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if config.device == "cpu":
+        from sgl_tts.cpu_shim import shim_dir
+
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(shim_dir()), env.get("LD_LIBRARY_PATH")]))
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+        if config.cpu_threads:
+            env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+    env.update(config.env)
+    return env
+
+
+def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
+    """POST `payload` (or GET when None) and decode the JSON answer."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class Runtime:
+    """One running SGLang server. Use `Runtime.start(config)`; stop it with `stop()` or a `with` block."""
+
+    def __init__(self, name: str, config: RuntimeConfig, model_path: str, port: int,
+                 process: subprocess.Popen, log_path: Path):
+        self.name = name
+        self.config = config
+        self.model_path = model_path
+        self.port = port
+        self.process = process
+        self.log_path = log_path
+        self.url = f"http://{config.host}:{port}"
+        self.model_info: dict[str, Any] = {}
+
+    @classmethod
+    def start(cls, config: RuntimeConfig, name: str = "generator", log_dir: str | Path | None = None,
+              wait: bool = True) -> "Runtime":
+        model_path = resolve_model(config.model)
+        port = config.port or free_port(config.host)
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl-tts-logs-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}-{port}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                server_command(config, model_path, port), env=server_env(config), stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        runtime = cls(name, config, model_path, port, process, log_path)
+        if wait:
+            runtime.wait_ready()
+        return runtime
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeStartError(
+                    f"runtime '{self.name}' ({self.model_path}) exited with code {self.process.returncode} "
+                    f"during start-up; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                self.model_info = http_json(self.url + "/get_model_info", timeout=5)
+                http_json(self.url + "/generate",
+                          {"text": "1", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=120)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
+                time.sleep(1.0)
+        self.stop()
+        raise RuntimeStartError(
+            f"runtime '{self.name}' ({self.model_path}) was not ready after {self.config.startup_timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise RuntimeDiedError(
+                f"runtime '{self.name}' at {self.url} exited with code {self.process.returncode}; "
+                f"log {self.log_path}:\n{self.log_tail(20)}"
+            )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the whole process group, wait, then SIGKILL whatever survives (zombie detokenizer)."""
+        pgid = self.process.pid
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(pgid):
+                try:
+                    self.process.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if not _group_alive(pgid):
+                break
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids in process group `pgid` (used by tests to prove a clean shutdown)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members

@@ -1,0 +1,251 @@
+"""What every search program shares: its config, the runtimes it is given, paths (beams) and their
+step-by-step growth through SGLang forks, timing and token accounting, and the final result record.
+
+A program file in `programs/` composes these pieces inside an `@sgl.function`; see docs/writing-programs.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import sglang as sgl
+
+from sgl_tts.backend import REQUEST_FIELDS
+from sgl_tts.records import Candidate, SearchResult
+from sgl_tts.scoring import AGGREGATIONS, StepScorer, aggregate
+
+Selection = Literal["best", "weighted", "majority"]
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    program: str = "beam_search"
+    n: int = 4  # beams (beam search) or samples (best-of-N)
+    beam_width: int = 2  # M: children per kept beam; n / M beams are kept each step
+    max_steps: int = 6
+    max_step_tokens: int = 64
+    max_tokens: int = 384  # per path, all steps together
+    temperature: float = 0.8
+    top_p: float = 1.0
+    step_delimiter: str = "\n\n"
+    aggregation: str = "last"  # how a path's step scores become its score: last, min, prod, mean
+    selection: Selection = "weighted"  # final answer: best path, score-weighted vote, or majority vote
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n", "beam_width", "max_steps", "max_step_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.step_delimiter:
+            raise ValueError("step_delimiter must not be empty")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+
+
+@dataclass
+class Runtimes:
+    """What a program runs on: a frontend backend for generation and a step scorer for verification."""
+
+    generator: Any  # sglang BaseBackend (TTSEndpoint on a real runtime, a scripted fake in tests)
+    scorer: StepScorer | None
+    prompt: Callable[[str], str]  # question -> prompt text in the generator's chat format
+    target: Any = None  # a second generator backend (RSD's target model)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Path:
+    """One reasoning path while the search runs. `state` is its SGLang program state."""
+
+    state: Any
+    steps: list[str] = field(default_factory=list)
+    step_scores: list[float] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None  # None while the path can still grow
+    finish_time_s: float | None = None
+    answer: str | None = None
+    parent: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.finish_reason is None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.steps)
+
+
+class SearchTracker:
+    """Counts tokens and splits wall time into generator and verifier time for one search."""
+
+    def __init__(self, config: SearchConfig):
+        self.config = config
+        self.start = time.monotonic()
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generator_time_s = 0.0
+        self.verifier_time_s = 0.0
+        self.iterations = 0
+        self.verifier_calls = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def record(self, meta: dict[str, Any]) -> None:
+        self.generated_tokens += int(meta.get("completion_tokens", 0))
+        self.prompt_tokens += int(meta.get("prompt_tokens", 0))
+        self.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+
+    def score(self, scorer: StepScorer, prompt: str, paths: Sequence[Path]) -> None:
+        """Score every step of `paths` in one batched scorer call; writes `step_scores`."""
+        if not paths:
+            return
+        began = time.monotonic()
+        scores = scorer.score(prompt, [p.steps for p in paths])
+        self.verifier_time_s += time.monotonic() - began
+        self.verifier_calls += 1
+        for path, path_scores in zip(paths, scores):
+            assert len(path_scores) == len(path.steps), "scorer must return one score per step"
+            path.step_scores = list(path_scores)
+
+
+def step_gen(config: SearchConfig, path: Path, name: str = "step"):
+    """The sgl.gen expression for the next step of `path`, within its token budget."""
+    budget = max(1, min(config.max_step_tokens, config.max_tokens - path.tokens))
+    return sgl.gen(name, max_tokens=budget, stop=config.step_delimiter,
+                   temperature=config.temperature, top_p=config.top_p)
+
+
+def set_request_fields(state: Any, fields: dict[str, Any] | None) -> None:
+    """Extra top-level /generate fields (scheduling metadata, priority) for the state's next requests."""
+    state.stream_executor.variables[REQUEST_FIELDS] = dict(fields or {})
+
+
+def wait_meta(state: Any, name: str) -> dict[str, Any]:
+    """Block until generation `name` of `state` is done; raise the generator's error if it failed."""
+    meta = state.get_meta_info(name)
+    error = state.stream_executor.error_
+    if error is not None:
+        raise error
+    return meta or {}
+
+
+def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
+    """'step' when the step ended at the delimiter, 'eos' at end of sequence, 'length' at the token cap."""
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "length":
+        return "length"
+    if kind == "stop" and reason.get("matched") == delimiter:
+        return "step"
+    return "eos"
+
+
+def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
+           extract_answer: Callable[[str], str | None],
+           request_fields: Callable[[Path, int], dict[str, Any] | None] | None = None) -> list[Path]:
+    """Fork each (path, k) k times and generate one step in every child, all concurrently.
+
+    Returns the children in (parent order, fork order). Each parent is synced (`text()`) before its fork
+    so the shared prefix is committed and served from the radix cache (DESIGN.md).
+    """
+    began = time.monotonic()
+    pending = []
+    for index, (parent, count) in enumerate(parents):
+        parent.state.text()
+        forks = parent.state.fork(count)
+        for child_index, fork in enumerate(forks):
+            if request_fields is not None:
+                set_request_fields(fork, request_fields(parent, child_index))
+            fork += step_gen(config, parent)
+            pending.append((index, parent, fork))
+    children = []
+    for index, parent, fork in pending:
+        meta = wait_meta(fork, "step")
+        tracker.record(meta)
+        child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
+                     tokens=parent.tokens, parent=index)
+        append_step(child, fork["step"], meta, config, tracker, extract_answer)
+        children.append(child)
+    tracker.generator_time_s += time.monotonic() - began
+    tracker.iterations += 1
+    return children
+
+
+def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchTracker,
+                extract_answer: Callable[[str], str | None]) -> None:
+    """Add one generated step to `path` and decide whether the path is finished."""
+    ended = finish_reason_of(meta, config.step_delimiter)
+    if ended == "step":
+        # The server trims the matched stop string; put it back in the path and in the program state, so
+        # the next step is generated after the delimiter.
+        text += config.step_delimiter
+        path.state += config.step_delimiter
+    path.steps.append(text)
+    path.tokens += int(meta.get("completion_tokens", 0))
+    answer = extract_answer(text)
+    if answer is not None:
+        path.answer = answer
+        finish(path, "answer", tracker)
+    elif ended == "eos":
+        finish(path, "eos", tracker)
+    elif path.tokens >= config.max_tokens:
+        finish(path, "max_tokens", tracker)
+    elif len(path.steps) >= config.max_steps:
+        finish(path, "max_steps", tracker)
+
+
+def finish(path: Path, reason: str, tracker: SearchTracker) -> None:
+    if path.finish_reason is None:
+        path.finish_reason = reason
+        path.finish_time_s = tracker.elapsed()
+
+
+def split_steps(text: str, delimiter: str, max_steps: int) -> list[str]:
+    """Split a whole solution into steps, each keeping its delimiter; the tail past max_steps joins the last."""
+    pieces = [p + delimiter for p in text.split(delimiter)]
+    pieces[-1] = pieces[-1][: -len(delimiter)]
+    pieces = [p for p in pieces if p.strip()] or [text]
+    if len(pieces) > max_steps:
+        pieces = pieces[: max_steps - 1] + ["".join(pieces[max_steps - 1:])]
+    return pieces
+
+
+def rank_key(path: Path | Candidate, aggregation: str) -> tuple[float, str]:
+    """Sort key: higher aggregated score first, then the path text (deterministic ties)."""
+    scores = path.step_scores
+    return (-aggregate(scores, aggregation), "".join(path.steps))
+
+
+def build_result(problem_id: str, program: str, paths: Sequence[Path], config: SearchConfig,
+                 tracker: SearchTracker, error: str | None = None, extra: dict[str, Any] | None = None
+                 ) -> SearchResult:
+    """The result record: candidates with aggregated scores, the selected answer, counts and times."""
+    from sgl_tts.selection import select
+
+    end = tracker.elapsed()
+    candidates = [
+        Candidate(
+            steps=list(p.steps), step_scores=list(p.step_scores),
+            score=aggregate(p.step_scores, config.aggregation), answer=p.answer, tokens=p.tokens,
+            completion_time_s=p.finish_time_s if p.finish_time_s is not None else end,
+            finish_reason=p.finish_reason or "unfinished", parent=p.parent, extra=dict(p.extra),
+        )
+        for p in paths
+    ]
+    answer = select(config.selection, [c.answer for c in candidates], [c.score for c in candidates])
+    return SearchResult(
+        problem_id=problem_id, program=program, answer=answer, candidates=candidates,
+        generated_tokens=tracker.generated_tokens, prompt_tokens=tracker.prompt_tokens,
+        cached_tokens=tracker.cached_tokens, generator_time_s=tracker.generator_time_s,
+        verifier_time_s=tracker.verifier_time_s, total_time_s=end, iterations=tracker.iterations,
+        verifier_calls=tracker.verifier_calls, error=error, extra=dict(extra or {}),
+    )

@@ -1,0 +1,134 @@
+"""A scripted, deterministic stand-in for a model and a PRM, for fast tests of search semantics.
+
+`ScriptedModel` decides every step from the text so far and a per-text variant counter (the k-th request
+with the same text gets variant k), so forks of one parent get distinct children while a whole search
+stays reproducible. `ScriptedBackend` serves it through SGLang's frontend backend interface and
+`ScriptedScorer` scores steps from a hash of the path. Brute-force references in the tests enumerate the
+same tree without SGLang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+from sglang.lang.backend.base_backend import BaseBackend
+
+from sgl_tts.scoring import StepScorer
+
+EOS_ID = 2
+
+
+def _hash(*parts: object) -> int:
+    return int(hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:12], 16)
+
+
+@dataclass(frozen=True)
+class ScriptedModel:
+    """Steps are a few words; from `answer_depth` on, a step may give a final answer, or end the text."""
+
+    answer_depth: int = 2
+    answer_chance: float = 0.5
+    eos_chance: float = 0.1
+    answers: int = 4  # answers are drawn from 0..answers-1
+    delimiter: str = "\n\n"
+
+    def step(self, text: str, variant: int) -> tuple[str, str]:
+        """(step text without delimiter, how it ends: 'step', 'answer' or 'eos') for a path's next step."""
+        depth = text.count(self.delimiter)
+        h = _hash(text, variant)
+        words = [f"w{(h >> (4 * i)) % 97}" for i in range(2 + h % 4)]
+        roll = (h % 1000) / 1000
+        if depth >= self.answer_depth and roll < self.answer_chance:
+            return " ".join(words) + f" The answer is \\boxed{{{(h >> 20) % self.answers}}}.", "answer"
+        if depth >= self.answer_depth and roll < self.answer_chance + self.eos_chance:
+            return " ".join(words), "eos"
+        return " ".join(words), "step"
+
+
+class ScriptedBackend(BaseBackend):
+    """Serves `ScriptedModel` through the frontend: one `generate` per `sgl.gen`."""
+
+    def __init__(self, model: ScriptedModel | None = None):
+        super().__init__()
+        self.model = model or ScriptedModel()
+        self._lock = threading.Lock()
+        self._variants: dict[str, int] = defaultdict(int)
+        self._seen_prefixes: set[str] = set()
+        self.requests: list[dict] = []
+
+    def get_model_name(self) -> str:
+        return "scripted"
+
+    def commit_lazy_operations(self, s) -> None:
+        with self._lock:
+            self._seen_prefixes.add(s.text_)
+
+    def next_variant(self, text: str) -> int:
+        with self._lock:
+            variant = self._variants[text]
+            self._variants[text] += 1
+            return variant
+
+    def generate(self, s, sampling_params):
+        text = s.text_
+        variant = self.next_variant(text)
+        budget = sampling_params.max_new_tokens or 10**9
+        stop = sampling_params.stop
+        stops_at_step = self.model.delimiter in ((stop,) if isinstance(stop, str) else tuple(stop or ()))
+        pieces, produced, reason = [], 0, None
+        current, current_variant = text, variant
+        while reason is None:
+            step, ending = self.model.step(current, current_variant)
+            words = step.split(" ")
+            if produced + len(words) > budget:
+                pieces.append(" ".join(words[: budget - produced]))
+                produced = budget
+                reason = {"type": "length", "length": budget}
+                break
+            produced += len(words)
+            pieces.append(step)
+            if ending == "eos":
+                reason = {"type": "stop", "matched": EOS_ID}
+            elif stops_at_step:
+                reason = {"type": "stop", "matched": self.model.delimiter}
+            elif ending == "answer":
+                reason = {"type": "stop", "matched": EOS_ID}
+            else:
+                pieces[-1] += self.model.delimiter
+                current, current_variant = current + pieces[-1], 0
+        output = "".join(pieces)
+        with self._lock:
+            cached = max((len(p) for p in self._seen_prefixes if text.startswith(p)), default=0)
+            self._seen_prefixes.add(text)
+            record = {"text": text, "variant": variant, "fields": dict(s.variables.get("_sgl_tts_request_fields") or {})}
+            self.requests.append(record)
+        meta = {"completion_tokens": produced, "prompt_tokens": len(text), "cached_tokens": cached,
+                "finish_reason": reason}
+        return output, meta
+
+
+class ScriptedScorer(StepScorer):
+    """Step score in [0, 1) from a hash of the path up to and including the step."""
+
+    name = "scripted"
+
+    def __init__(self, salt: str = "prm"):
+        super().__init__()
+        self.salt = salt
+        self.calls: list[list[list[str]]] = []
+
+    def step_score(self, prompt: str, steps: Sequence[str]) -> float:
+        return (_hash(self.salt, prompt, *steps) % 10_000) / 10_000
+
+    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
+        with self._lock:
+            self.calls.append([list(p) for p in paths])
+        out = []
+        for steps in paths:
+            self._count(sum(len(s) for s in steps))
+            out.append([self.step_score(prompt, steps[: i + 1]) for i in range(len(steps))])
+        return out

@@ -1,0 +1,48 @@
+import pytest
+
+from eval.datasets import Problem
+from sgl_tts.registry import load_program, program_names
+from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.testing import ScriptedBackend, ScriptedScorer
+
+
+def test_builtin_programs_are_registered():
+    assert {"best_of_n", "beam_search"} <= set(program_names())
+
+
+def test_unknown_program_lists_known_names():
+    with pytest.raises(KeyError) as info:
+        load_program("monte_carlo")
+    assert "beam_search" in str(info.value) and "best_of_n" in str(info.value)
+
+
+def test_user_program_file_is_loaded_and_runs(tmp_path):
+    source = '''
+import sglang as sgl
+from sgl_tts.search import Path, SearchTracker, build_result, expand
+from sgl_tts.grading import extract_answer
+
+def run(problem, config, runtimes):
+    tracker = SearchTracker(config)
+    prompt = runtimes.prompt(problem.question)
+
+    @sgl.function
+    def greedy(s):
+        s += prompt
+        path = Path(state=s)
+        for _ in range(config.max_steps):
+            (path,) = expand([(path, 1)], config, tracker, extract_answer)
+            if not path.active:
+                break
+        return [path]
+
+    paths = greedy.run(backend=runtimes.generator).ret_value
+    return build_result(problem.id, "greedy_chain", paths, config, tracker)
+'''
+    path = tmp_path / "greedy_chain.py"
+    path.write_text(source)
+    run = load_program(str(path))
+    result = run(Problem("q", "1+1?", "2"), SearchConfig(n=1, max_steps=5, max_tokens=1000),
+                 Runtimes(generator=ScriptedBackend(), scorer=ScriptedScorer(), prompt=lambda q: q + "\n\n"))
+    assert result.program == "greedy_chain"
+    assert len(result.candidates) == 1 and 1 <= len(result.candidates[0].steps) <= 5
