@@ -139,9 +139,15 @@ def partition_batches(schedule: Sequence[Path], capacity: int | None = None) -> 
 
 
 def eviction_cost(schedule: Sequence[Path], capacity: int | None = None) -> int:
-    """Cost = Σ_i (Nodes(T_i) − P(T_i, T_{i+1})) over consecutive batches T_i of `schedule` (§4.2)."""
+    """Cost = Σ_i (Nodes(T_i) − P(T_i, T_{i+1})) over the batches T_1..T_k of `schedule` (§4.2), with
+    T_{k+1} empty: the last batch is evicted too, when the next iteration's work arrives.
+
+    So a node costs one per maximal run of consecutive batches that hold it, the cost is at least the
+    number of distinct nodes, and it equals that when every subtree is contiguous in the schedule, as
+    in the greedy order. (Dropping the last term instead would reward ending on a large batch.)
+    """
     tries = [trie_nodes(batch) for batch in partition_batches(schedule, capacity)]
-    return sum(len(a) - len(a & b) for a, b in zip(tries, tries[1:]))
+    return sum(len(a) - len(a & b) for a, b in zip(tries, [*tries[1:], frozenset()]))
 
 
 def prefix_score(schedule: Sequence[Path]) -> int:

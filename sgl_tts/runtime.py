@@ -173,8 +173,11 @@ class Runtime:
                 )
             try:
                 self.model_info = http_json(self.url + "/get_model_info", timeout=5)
-                http_json(self.url + "/generate",
-                          {"text": "1", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=120)
+                if self.config.is_embedding:
+                    http_json(self.url + "/encode", {"text": "1"}, timeout=120)
+                else:
+                    http_json(self.url + "/generate",
+                              {"text": "1", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=120)
                 return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
                 time.sleep(1.0)

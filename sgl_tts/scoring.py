@@ -10,7 +10,10 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from sgl_tts.runtime import RuntimeConfig
 
 AGGREGATIONS: dict[str, Callable[[Sequence[float]], float]] = {
     "last": lambda scores: scores[-1],
@@ -111,3 +114,23 @@ class LikelihoodScorer(StepScorer):
             return [self._score_path(prompt, p) for p in paths]
         with ThreadPoolExecutor(max_workers=min(self.max_parallel, len(paths))) as pool:
             return list(pool.map(lambda p: self._score_path(prompt, p), paths))
+
+
+SCORER_KINDS: dict[str, Callable[..., StepScorer]] = {
+    "likelihood": lambda config, runtime, tokenizer: LikelihoodScorer(runtime, tokenizer),
+}
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    kind: str = "likelihood"
+    runtime: RuntimeConfig | None = None  # None: score on the generator's runtime
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCORER_KINDS:
+            raise ValueError(f"unknown scorer kind {self.kind!r}; known: {', '.join(SCORER_KINDS)}")
+
+
+def make_scorer(config: ScorerConfig, runtime: Any, tokenizer: Any) -> StepScorer:
+    """The configured scorer, reading from `runtime` (a started Runtime) with `tokenizer`."""
+    return SCORER_KINDS[config.kind](config, runtime, tokenizer)

@@ -16,20 +16,8 @@ from sgl_tts.config import load_yaml
 from sgl_tts.records import SearchResult
 from sgl_tts.registry import load_program
 from sgl_tts.runtime import Runtime, RuntimeConfig
+from sgl_tts.scoring import ScorerConfig, make_scorer
 from sgl_tts.search import Runtimes, SearchConfig
-
-SCORER_KINDS = ("likelihood",)
-
-
-@dataclass(frozen=True)
-class ScorerConfig:
-    kind: str = "likelihood"
-    runtime: RuntimeConfig | None = None  # None: score on the generator's runtime
-
-    def __post_init__(self) -> None:
-        if self.kind not in SCORER_KINDS:
-            raise ValueError(f"unknown scorer kind {self.kind!r}; known: {', '.join(SCORER_KINDS)}")
-
 
 @dataclass(frozen=True)
 class DatasetConfig:
@@ -74,7 +62,6 @@ class Session:
         from transformers import AutoTokenizer
 
         from sgl_tts.backend import TTSEndpoint, chat_prompt
-        from sgl_tts.scoring import LikelihoodScorer
 
         began = time.monotonic()
         log_dir = self.config.log_dir
@@ -95,7 +82,7 @@ class Session:
         self.tokenizer = tokenizer
         self.search_runtimes = Runtimes(
             generator=TTSEndpoint(generator),
-            scorer=LikelihoodScorer(scorer_runtime, scorer_tokenizer),
+            scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
         )
 

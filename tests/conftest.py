@@ -4,3 +4,28 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     # Runtime tests share one SGLang start-up per session; run them after the fast tier.
     items.sort(key=lambda item: item.get_closest_marker("runtime") is not None)
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tmp_path_factory):
+    """One real SGLang CPU runtime serving the tiny random-weight model, shared by the runtime tests."""
+    from sgl_tts.runtime import Runtime, RuntimeConfig
+
+    runtime = Runtime.start(RuntimeConfig(model="tiny-random", max_total_tokens=16384, startup_timeout_s=600),
+                            name="tiny", log_dir=tmp_path_factory.mktemp("runtime-logs"))
+    yield runtime
+    runtime.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_search_runtimes(tiny_runtime):
+    """Runtimes for search programs: generator and likelihood scorer both on the tiny runtime."""
+    from transformers import AutoTokenizer
+
+    from sgl_tts.backend import TTSEndpoint, chat_prompt
+    from sgl_tts.scoring import LikelihoodScorer
+    from sgl_tts.search import Runtimes
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_runtime.model_path)
+    return Runtimes(generator=TTSEndpoint(tiny_runtime), scorer=LikelihoodScorer(tiny_runtime, tokenizer),
+                    prompt=lambda question: chat_prompt(tokenizer, question))

@@ -1,0 +1,156 @@
+"""The SGLang plugin: the hook on fake scheduler objects, its registration, and its fit with the
+installed SGLang (read from source, without starting a runtime)."""
+
+import ast
+import importlib.util
+import json
+import tomllib
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from policies import PrefixAwareOrder
+from policies import plugin
+from policies.base import BeamTag, encode_rid
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeReq:
+    def __init__(self, rid, priority=None):
+        self.rid = rid
+        self.priority = priority
+
+    def __repr__(self):
+        return f"FakeReq({self.rid!r}, {self.priority})"
+
+
+class FakeSchedulePolicy:
+    """Shaped like sglang's SchedulePolicy as the hook sees it."""
+
+    def __init__(self, enable_priority_scheduling=False, priority_sign=-1):
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self.priority_sign = priority_sign
+        self.calls = []
+
+    def calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0):
+        self.calls.append((len(waiting_queue), running_batch, processed_tokens))
+
+
+def tagged(iteration, beam, parent, problem="p", priority=None, speculative=False, bin_index=0):
+    return FakeReq(encode_rid(BeamTag(problem, iteration, beam, parent, speculative, bin_index)), priority)
+
+
+def shuffled_forks():
+    # Children of parents 2, 0, 1 arriving interleaved, plus an untagged request.
+    reqs = [tagged(1, b, p) for b, p in [(0, 2), (1, 0), (2, 1), (3, 2), (4, 0), (5, 1)]]
+    return reqs[:3] + [FakeReq("plain")] + reqs[3:]
+
+
+def parents(queue):
+    return [plugin.tag_of_request(r).parent_id if plugin.tag_of_request(r) else "u" for r in queue]
+
+
+def test_hook_calls_sglang_first_then_reorders_the_same_list_in_place():
+    hook = plugin.make_calc_priority_hook(PrefixAwareOrder())
+    sched = FakeSchedulePolicy()
+    queue = shuffled_forks()
+    same = queue
+    hook(FakeSchedulePolicy.calc_priority, sched, queue, "running", processed_tokens=7)
+    assert sched.calls == [(7, "running", 7)]
+    assert queue is same
+    assert parents(queue) == [0, 0, 1, 1, 2, 2, "u"]
+
+
+def test_with_priority_scheduling_priorities_win_and_our_order_holds_within_them():
+    hook = plugin.make_calc_priority_hook(PrefixAwareOrder())
+    queue = [tagged(1, b, p, priority=prio) for b, p, prio in
+             [(0, 1, 0), (1, 0, 0), (2, 1, 10), (3, 0, 10), (4, 2, 10)]]
+    # SGLang's default: larger priority values first (priority_sign = -1).
+    hook(FakeSchedulePolicy.calc_priority, FakeSchedulePolicy(True, -1), queue)
+    assert [(r.priority, plugin.tag_of_request(r).parent_id) for r in queue] == [
+        (10, 0), (10, 1), (10, 2), (0, 0), (0, 1)]
+
+
+def test_trace_file_records_each_reordered_queue(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    hook = plugin.make_calc_priority_hook(PrefixAwareOrder(), str(trace))
+    queue = shuffled_forks()
+    hook(FakeSchedulePolicy.calc_priority, FakeSchedulePolicy(), queue)
+    hook(FakeSchedulePolicy.calc_priority, FakeSchedulePolicy(), queue[:1])
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["rids"] == [r.rid for r in queue]
+
+
+class FakeRegistry:
+    def __init__(self):
+        self.registered = []
+
+    def register(self, target, hook, hook_type):
+        self.registered.append((target, hook, hook_type))
+
+
+def test_install_registers_an_around_hook_for_prefix_only():
+    registry = FakeRegistry()
+    assert plugin.install("fcfs", registry, "AROUND") is None
+    assert registry.registered == []
+    assert isinstance(plugin.install("prefix", registry, "AROUND"), PrefixAwareOrder)
+    [(target, hook, hook_type)] = registry.registered
+    assert target == "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
+    assert hook_type == "AROUND" and callable(hook)
+    with pytest.raises(KeyError, match="known policies: fcfs, prefix"):
+        plugin.install("lpm", registry, "AROUND")
+
+
+def test_register_without_the_env_var_installs_nothing(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
+    assert plugin.register() is None
+    monkeypatch.setenv(plugin.ENV_POLICY, "fcfs")
+    assert plugin.register() is None
+
+
+def test_entry_point_names_register():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    group = project["project"]["entry-points"]["sglang.srt.plugins"]
+    [(name, value)] = group.items()
+    assert EntryPoint(name, value, "sglang.srt.plugins").load() is plugin.register
+
+
+def sglang_source(relative):
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed")
+    return (Path(spec.submodule_search_locations[0]) / relative).read_text()
+
+
+def test_installed_sglang_has_the_hooked_method_and_calls_it_with_the_waiting_queue():
+    tree = ast.parse(sglang_source("srt/managers/schedule_policy.py"))
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulePolicy"]
+    [method] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "calc_priority"]
+    assert [a.arg for a in method.args.args][:2] == ["self", "waiting_queue"]
+    assert "self.policy.calc_priority(\n            self.waiting_queue," in sglang_source("srt/managers/scheduler.py")
+    # The rid reaches the scheduler's Req unchanged: Req(rid, ...) stores it as self.rid.
+    assert "self.rid = rid" in sglang_source("srt/managers/schedule_batch.py")
+    assert "load_plugins()" in sglang_source("srt/managers/scheduler.py")
+
+
+def test_hook_through_sglangs_own_hook_registry():
+    # Imports sglang (and torch): a few seconds.
+    registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    HookRegistry, HookType = registry_module.HookRegistry, registry_module.HookType
+    target = f"{__name__}.FakeSchedulePolicy.calc_priority"
+    original = FakeSchedulePolicy.calc_priority
+    HookRegistry.reset()
+    try:
+        plugin.install("prefix", HookRegistry, HookType.AROUND)
+        HookRegistry._hooks[target] = HookRegistry._hooks.pop(plugin.TARGET)
+        HookRegistry.apply_hooks()
+        sched = FakeSchedulePolicy()
+        queue = shuffled_forks()
+        sched.calc_priority(queue, None, processed_tokens=3)
+        assert sched.calls == [(7, None, 3)]
+        assert parents(queue) == [0, 0, 1, 1, 2, 2, "u"]
+    finally:
+        FakeSchedulePolicy.calc_priority = original
+        HookRegistry.reset()

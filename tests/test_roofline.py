@@ -1,0 +1,221 @@
+"""Roofline memory planner: hand arithmetic, brute force over all (B_pre, B_dec) pairs, offloading,
+and the `plan memory` command."""
+
+import argparse
+import json
+import random
+
+import pytest
+
+from sgl_tts import roofline
+from sgl_tts.roofline import (
+    HARDWARE,
+    Hardware,
+    ModelSpec,
+    Workload,
+    _Costs,
+    add_plan_memory_parser,
+    bench_planner,
+    decode_step_time,
+    load_model_spec,
+    model_spec_from_config,
+    plan_memory,
+    prefill_time,
+    probe_this_machine,
+    search_offload,
+    search_shared,
+)
+
+SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+
+
+def test_kv_bytes_per_token_by_hand(tmp_path):
+    # SmolLM2-135M: 2 (K and V) · 30 layers · 3 KV heads · head dim 576/9 = 64 · 2 bytes.
+    assert load_model_spec("smollm2-135m").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert model_spec_from_config(SMOLLM2, dtype="float32").kv_bytes_per_token == 46080
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2, "head_dim": 80}))
+    assert load_model_spec(str(tmp_path)).kv_bytes_per_token == 2 * 30 * 3 * 80 * 2
+    # Qwen2.5-Math-7B: 28 layers, 4 KV heads, head dim 3584/28 = 128.
+    assert load_model_spec("qwen2.5-math-7b").kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+
+
+def test_parameter_count_is_close_to_the_published_size():
+    assert load_model_spec("smollm2-135m").weight_bytes / 2 == pytest.approx(134.5e6, rel=0.01)
+    assert load_model_spec("qwen2.5-math-7b").weight_bytes / 2 == pytest.approx(7.6e9, rel=0.02)
+
+
+def test_bad_model_configs_name_the_problem(tmp_path):
+    with pytest.raises(KeyError, match="intermediate_size"):
+        model_spec_from_config({k: v for k, v in SMOLLM2.items() if k != "intermediate_size"}, "m")
+    with pytest.raises(KeyError, match="smollm2-135m"):
+        load_model_spec(str(tmp_path / "nope.json"))
+
+
+def toy_model(weight_bytes=10.0, flops_params=0.0, layers=1):
+    """One KV head of dimension 1 and 1-byte elements: kv_bytes_per_token = 2·layers."""
+    return ModelSpec("toy", layers, 1, 1, 1, weight_bytes, flops_params, 1)
+
+
+MEMORY_BOUND = Hardware("mem", peak_flops=1e30, mem_bandwidth=1.0, mem_bytes=1e9, link_bandwidth=1.0)
+
+
+def test_roofline_times_by_hand():
+    hw = Hardware("h", peak_flops=100.0, mem_bandwidth=10.0, mem_bytes=1e9, link_bandwidth=1.0)
+    m = ModelSpec("m", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, weight_bytes=20.0,
+                  matmul_params=5.0, dtype_bytes=1)
+    # Prefill of 2 sequences of 4 tokens: FLOPs 2·(2·5·4 + 2·1·1·1·16) = 144 → 1.44 s; bytes 20 + 2·4·2 = 36 → 3.6 s.
+    assert prefill_time(m, hw, 2, 4) == pytest.approx(3.6)
+    # One decode step, 3 sequences, 10 cached: FLOPs 3·(10 + 4·10) = 150 → 1.5 s; bytes 20 + 3·10·2 = 80 → 8 s.
+    assert decode_step_time(m, hw, 3, 10) == pytest.approx(8.0)
+    fast_memory = Hardware("h", 100.0, 1e6, 1e9, 1.0)
+    assert prefill_time(m, fast_memory, 2, 4) == pytest.approx(1.44)
+
+
+def test_tiny_case_by_hand():
+    # N=4, S = 0 + 2 tokens, KV per sequence 2·2 = 4 bytes for both models, M = 12 bytes:
+    # feasible (B_pre, B_dec): (1, 1), (1, 2), (2, 1).
+    # T_pre(b) = ⌈4/b⌉·(10 + 4b):          T_pre(1) = 56,  T_pre(2) = 36.
+    # T_dec(b) = ⌈4/b⌉·2·(10 + b·1·2):      T_dec(1) = 96,  T_dec(2) = 56   (S̄_cache = 1).
+    # Totals: 152, 112, 132 → (1, 2).
+    costs = _Costs(toy_model(), toy_model(), MEMORY_BOUND, Workload(4, 0, 2))
+    best = search_shared(costs, 12)
+    assert (best.b_pre, best.b_dec, best.t_total) == (1, 2, pytest.approx(112))
+    assert brute_force(costs, 12)[:2] == (1, 2)
+
+
+def brute_force(costs, budget):
+    """All (B_pre, B_dec) pairs within the budget; the fastest, ties to the larger B_dec."""
+    n, best = costs.work.n, None
+    for b_pre in range(1, n + 1):
+        for b_dec in range(1, n + 1):
+            if b_pre * costs.kv_ver_seq + b_dec * costs.kv_gen_seq > budget:
+                continue
+            t = costs.verify[b_pre] + costs.generate[b_dec]
+            if best is None or t < best[2] * (1 - 1e-12) or (t <= best[2] * (1 + 1e-12) and b_dec > best[1]):
+                best = (b_pre, b_dec, t)
+    return best
+
+
+def random_case(rng):
+    hw = Hardware("r", rng.choice([1e3, 1e5, 1e30]), rng.choice([1.0, 10.0, 100.0]), 1e12, 1.0)
+    gen = ModelSpec("g", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
+    ver = ModelSpec("v", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
+    work = Workload(rng.randint(1, 14), rng.randint(0, 6), rng.randint(1, 6))
+    costs = _Costs(gen, ver, hw, work)
+    per_pair = costs.kv_ver_seq + costs.kv_gen_seq
+    return costs, rng.uniform(0.5, work.n * 1.5) * per_pair
+
+
+def test_search_matches_brute_force_and_respects_the_budget():
+    rng = random.Random(0)
+    for _ in range(300):
+        costs, budget = random_case(rng)
+        found, expected = search_shared(costs, budget), brute_force(costs, budget)
+        if expected is None:
+            assert found is None
+            continue
+        assert (found.b_pre, found.b_dec) == expected[:2]
+        assert found.t_total == pytest.approx(expected[2])
+        assert found.b_pre * costs.kv_ver_seq + found.b_dec * costs.kv_gen_seq <= budget
+
+
+def test_ties_go_to_the_larger_decode_batch():
+    # Compute-bound only and N = 4: ⌈4/b⌉·b·c is 4c for b = 1, 2 and 4, so (1,1), (1,2), (2,1) all tie.
+    hw = Hardware("flops", peak_flops=1.0, mem_bandwidth=1e30, mem_bytes=1e9, link_bandwidth=1.0)
+    costs = _Costs(toy_model(flops_params=1.0), toy_model(flops_params=1.0), hw, Workload(4, 0, 2))
+    assert costs.verify[1] == costs.verify[2] and costs.generate[1] == costs.generate[2]
+    best = search_shared(costs, 12)
+    assert (best.b_pre, best.b_dec) == (1, 2)
+
+
+def test_a_smaller_decode_batch_can_win():
+    # ⌈N/B⌉ makes the decode term non-monotone: with N = 10 and memory-bound decode, B = 5 (2 rounds)
+    # beats B = 6 (also 2 rounds, more KV traffic), so the bound on B_dec is not always the answer.
+    # The verifier's KV (6 layers: 24 bytes a sequence) leaves room for B_pre = 1 and B_dec <= 6 only.
+    costs = _Costs(toy_model(), toy_model(layers=6), MEMORY_BOUND, Workload(10, 0, 2))
+    assert costs.generate[5] < costs.generate[6]
+    best = search_shared(costs, 24 + 6 * 4)
+    assert (best.b_pre, best.b_dec) == (1, 5) == brute_force(costs, 24 + 6 * 4)[:2]
+
+
+def test_offload_wins_when_memory_is_tiny_and_the_link_fast():
+    gen, ver = toy_model(), toy_model()
+    work = Workload(8, 0, 2)
+    fast = Hardware("fast-link", 1e30, 1.0, 1e9, link_bandwidth=1e9)
+    # M = 6 bytes holds one 4-byte sequence, not one per model: only offloading is feasible.
+    plan = plan_memory(gen, ver, fast, work, budget=6)
+    assert plan.shared is None and plan.chosen.mode == "offload"
+    # M = 32: shared can run (4, 4) at most; offloaded, each model runs all 8 at once.
+    plan = plan_memory(gen, ver, fast, work, budget=32)
+    assert plan.chosen.mode == "offload" and (plan.chosen.b_pre, plan.chosen.b_dec) == (8, 8)
+    assert plan.chosen.t_total < plan.shared.t_total
+    assert plan.chosen.overhead == pytest.approx(2 * (8 * 4 + 8 * 4) / 1e9)
+    slow = Hardware("slow-link", 1e30, 1.0, 1e9, link_bandwidth=1e-3)
+    assert plan_memory(gen, ver, slow, work, budget=32).chosen.mode == "shared"
+
+
+def test_offload_search_takes_each_models_best_within_the_whole_budget():
+    rng = random.Random(1)
+    for _ in range(100):
+        costs, budget = random_case(rng)
+        found = search_offload(costs, budget, HARDWARE["rtx4090"])
+        n = costs.work.n
+        pres = [b for b in range(1, n + 1) if b * costs.kv_ver_seq <= budget]
+        decs = [b for b in range(1, n + 1) if b * costs.kv_gen_seq <= budget]
+        if not pres or not decs:
+            assert found is None
+            continue
+        assert costs.verify[found.b_pre] == pytest.approx(min(costs.verify[b] for b in pres))
+        assert costs.generate[found.b_dec] == pytest.approx(min(costs.generate[b] for b in decs))
+
+
+def test_plan_budgets_for_the_runtimes():
+    gen, ver = load_model_spec("qwen2.5-math-1.5b"), load_model_spec("skywork-prm-1.5b")
+    plan = plan_memory(gen, ver, HARDWARE["rtx4090"], Workload(64, 512, 256), budget=2 * roofline.GIB)
+    assert plan.chosen.mode == "shared"
+    used = plan.generator.kv_bytes + plan.verifier.kv_bytes
+    assert used <= plan.kv_budget
+    assert plan.verifier.max_total_tokens >= plan.chosen.b_pre * 768
+    assert plan.generator.max_total_tokens >= plan.chosen.b_dec * 768
+    assert plan.generator.mem_fraction == pytest.approx(
+        (gen.weight_bytes + plan.generator.kv_bytes) / HARDWARE["rtx4090"].mem_bytes)
+    assert plan.static is not None and plan.chosen.t_total <= plan.static.t_total * (1 + 1e-12)
+
+
+def test_no_memory_left_is_an_error():
+    gen, ver = load_model_spec("qwen2.5-math-1.5b"), load_model_spec("qwen2.5-math-prm-7b")
+    with pytest.raises(ValueError, match="rtx3070ti"):
+        plan_memory(gen, ver, HARDWARE["rtx3070ti"], Workload(16, 256, 128))
+
+
+def test_hardware_profiles():
+    assert set(HARDWARE) == {"rtx4090", "rtx4070ti", "rtx3070ti", "h200"}
+    for hw in HARDWARE.values():
+        assert hw.peak_flops > 1e13 and hw.mem_bandwidth > 1e11 and hw.mem_bytes > 4e9 and hw.link_bandwidth > 1e10
+    with pytest.raises(KeyError, match="this-machine"):
+        roofline.get_hardware("a100")
+
+
+def test_probe_this_machine_is_quick_and_positive():
+    hw = probe_this_machine(seconds=0.05)
+    assert hw.name == "this-machine"
+    assert hw.peak_flops > 0 and hw.mem_bandwidth > 0 and hw.mem_bytes > 0
+
+
+def test_bench_planner_reports_each_n():
+    timings = bench_planner(ns=(8, 16), repeats=1)
+    assert set(timings) == {8, 16} and all(t > 0 for t in timings.values())
+
+
+def test_plan_memory_command(capsys):
+    parser = argparse.ArgumentParser(prog="sgl-tts plan")
+    add_plan_memory_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory", "--hardware", "rtx4090", "--generator-config", "qwen2.5-math-1.5b",
+                              "--verifier-config", "skywork-prm-1.5b", "--n", "32", "--memory-gb", "1"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "--max-total-tokens" in out and "chosen" in out
+    args = parser.parse_args(["memory", "--hardware", "a100"])
+    assert args.func(args) == 2
+    assert "unknown hardware" in capsys.readouterr().out
