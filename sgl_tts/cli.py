@@ -19,7 +19,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from eval.datasets import load_problems
+    from sgl_tts.config import ConfigError
     from sgl_tts.report import print_run
+    from sgl_tts.runtime import RuntimeConfig
     from sgl_tts.session import Session, load_run_config
 
     config = load_run_config(args.config)
@@ -29,16 +31,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.n:
         search_overrides["n"] = args.n
     if search_overrides:
-        config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
+        try:
+            config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
+        except ValueError as exc:
+            raise ConfigError(f"{args.config} with --program/--n: {exc}") from None
     if args.device:
         config = dataclasses.replace(config, generator=dataclasses.replace(config.generator, device=args.device))
         if config.scorer.runtime is not None:
             scorer_runtime = dataclasses.replace(config.scorer.runtime, device=args.device)
             config = dataclasses.replace(config, scorer=dataclasses.replace(config.scorer, runtime=scorer_runtime))
+        if isinstance(config.target, RuntimeConfig):
+            config = dataclasses.replace(config, target=dataclasses.replace(config.target, device=args.device))
     limit = args.limit if args.limit is not None else config.dataset.limit
     problems = load_problems(config.dataset.name, limit=limit, offset=config.dataset.offset)
     print(f"sgl-tts run: program={config.search.program} n={config.search.n} "
-          f"model={config.generator.model} device={config.generator.device} problems={len(problems)}", flush=True)
+          f"model={config.generator.model} device={config.generator.device} problems={len(problems)}"
+          + (f" target={getattr(config.target, 'model', config.target)}" if config.target else ""), flush=True)
     with Session(config) as session:
         print(f"runtimes ready in {session.started_s:.0f} s: "
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
@@ -71,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.specdec import add_plan_spec_parser
 
     add_plan_spec_parser(plan_commands)
+
+    from sgl_tts.rsd_sweep import add_rsd_sweep_parser
+
+    add_rsd_sweep_parser(commands)
     return parser
 
 

@@ -40,4 +40,9 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
           f"generator {sum(r.generator_time_s for r in results_only):.0f} s, "
           f"verifier {sum(r.verifier_time_s for r in results_only):.0f} s | "
           f"prefix cache hit {sum(r.cached_tokens for r in results_only) / max(1, sum(r.prompt_tokens for r in results_only)):.0%}")
+    if any("rsd" in r.extra for r in results_only):
+        from sgl_tts.rsd_sweep import summary_lines
+
+        for line in summary_lines(results_only):
+            print(line)
     return 1 if any(r.error for r in results_only) else 0

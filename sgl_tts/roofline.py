@@ -227,7 +227,7 @@ class Allocation:
         return self.t_verify + self.t_generate + self.overhead
 
 
-class _Costs:
+class StepCosts:
     """T_tot's two terms for every batch size up to N, computed once per plan."""
 
     def __init__(self, gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload) -> None:
@@ -264,7 +264,7 @@ def _is_better(t: float, b_dec: int, best: Allocation | None) -> bool:
     return t <= best.t_total * (1 + _REL_TOL) and b_dec > best.b_dec
 
 
-def search_shared(costs: _Costs, budget: float) -> Allocation | None:
+def search_shared(costs: StepCosts, budget: float) -> Allocation | None:
     """The best (B_pre, B_dec) with B_pre·KV_ver(1,S) + B_dec·KV_gen(1,S) ≤ budget; None if even
     (1, 1) does not fit. Linear in N: for each B_pre the bound on B_dec follows from the budget, and
     the best B_dec under that bound comes from a running minimum (the paper takes the bound itself;
@@ -282,7 +282,7 @@ def search_shared(costs: _Costs, budget: float) -> Allocation | None:
     return best
 
 
-def search_offload(costs: _Costs, budget: float, hw: Hardware) -> Allocation | None:
+def search_offload(costs: StepCosts, budget: float, hw: Hardware) -> Allocation | None:
     """§4.3.2: each model has the whole budget while it runs (B_pre·KV_ver ≤ M, B_dec·KV_gen ≤ M);
     per step each model's resident KV cache goes to host memory and back once."""
     n = costs.work.n
@@ -338,9 +338,10 @@ def plan_memory(gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload,
     generator the rest; offload mode gives each the whole budget."""
     budget = kv_budget(hw, gen, ver) if budget is None else budget
     if budget <= 0:
-        raise ValueError(f"no KV memory left: the models' weights take {(gen.weight_bytes + ver.weight_bytes) / GIB:.2f} "
-                         f"GiB of {hw.name}'s {hw.mem_bytes / GIB:.2f} GiB")
-    costs = _Costs(gen, ver, hw, work)
+        weights = (gen.weight_bytes + ver.weight_bytes) / GIB
+        raise ValueError(f"no KV memory left: the models' weights take {weights:.2f} GiB of "
+                         f"{hw.name}'s {hw.mem_bytes / GIB:.2f} GiB")
+    costs = StepCosts(gen, ver, hw, work)
     shared = search_shared(costs, budget)
     offload = search_offload(costs, budget, hw)
     if shared is None and offload is None:
@@ -388,8 +389,9 @@ def _describe(a: Allocation | None) -> str:
 def _handle_plan_memory(args: argparse.Namespace) -> int:
     try:
         hw = get_hardware(args.hardware)
-        gen = load_model_spec(args.generator_config, args.dtype)
-        ver = load_model_spec(args.verifier_config, args.dtype)
+        dtype = args.dtype or ("float32" if hw.name == THIS_MACHINE else None)  # SGLang on CPU runs fp32
+        gen = load_model_spec(args.generator_config, dtype)
+        ver = load_model_spec(args.verifier_config, dtype)
         work = Workload(args.n, args.prompt_len, args.decode_len)
         budget = args.memory_gb * GIB if args.memory_gb is not None else None
         plan = plan_memory(gen, ver, hw, work, budget)
@@ -429,7 +431,7 @@ def add_plan_memory_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, default=None,
                    help="KV-cache budget M in GiB (default: 90%% of device memory minus both models' weights)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
-                   help="weights and KV dtype (default: each config's torch_dtype)")
+                   help="weights and KV dtype (default: float32 on this-machine, else each config's torch_dtype)")
     p.add_argument("--bench", action="store_true", help="also time the planner")
     p.set_defaults(func=_handle_plan_memory)
     return p

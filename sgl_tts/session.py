@@ -1,7 +1,8 @@
 """A run's configuration and the session that owns its runtimes.
 
 `Session(config)` starts the generator runtime and, when the scorer has a runtime of its own, the scorer
-runtime (co-located, each with its own token budget), then solves problems with the configured program.
+runtime, and, when `target` is a runtime config, the target runtime (RSD's target model); all co-located,
+each with its own token budget. Then it solves problems with the configured program.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from sgl_tts.config import load_yaml
 from sgl_tts.records import SearchResult
 from sgl_tts.registry import load_program
+from sgl_tts.rsd_math import RSDConfig
 from sgl_tts.runtime import Runtime, RuntimeConfig
 from sgl_tts.scoring import ScorerConfig, make_scorer
 from sgl_tts.search import Runtimes, SearchConfig
@@ -34,10 +36,23 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     concurrency: int = 4  # problems searched at once (their beams share the runtimes' batches)
     log_dir: str | None = None
+    # RSD's target model: its own runtime, or "generator" to let the generator's runtime (the draft) serve it.
+    target: RuntimeConfig | Literal["generator"] | None = None
+    rsd: RSDConfig = field(default_factory=RSDConfig)  # read by the rsd program
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.search.program == "rsd":
+            if self.target is None:
+                raise ValueError("search.program 'rsd' needs 'target': a runtime config for the target model, "
+                                 "or 'generator' to let the generator's runtime serve as the target")
+            # RSD's step loop settings live in the rsd section; refuse them where they would be ignored.
+            defaults = SearchConfig()
+            for name in ("max_steps", "temperature", "top_p", "step_delimiter"):
+                if getattr(self.search, name) != getattr(defaults, name):
+                    raise ValueError(f"program 'rsd' reads {name} from the rsd section: "
+                                     f"set 'rsd.{name}' instead of 'search.{name}'")
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -68,6 +83,8 @@ class Session:
         wanted = {"generator": self.config.generator}
         if self.config.scorer.runtime is not None:
             wanted["scorer"] = self.config.scorer.runtime
+        if isinstance(self.config.target, RuntimeConfig):
+            wanted["target"] = self.config.target
         # Start all processes first, then wait: start-ups overlap.
         for name, runtime_config in wanted.items():
             self.runtimes[name] = Runtime.start(runtime_config, name=name, log_dir=log_dir, wait=False)
@@ -85,6 +102,14 @@ class Session:
             scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
         )
+        target = self.runtimes.get("target", generator if self.config.target == "generator" else None)
+        if target is not None:
+            # Steps pass as text: the target gets its own prompt, in its own chat format.
+            target_tokenizer = (tokenizer if target.model_path == generator.model_path
+                                else AutoTokenizer.from_pretrained(target.model_path))
+            self.search_runtimes.target = TTSEndpoint(target)
+            self.search_runtimes.extras["target_prompt"] = lambda question: chat_prompt(target_tokenizer, question)
+        self.search_runtimes.extras["rsd"] = self.config.rsd
 
     def solve(self, problem: Any, search: SearchConfig | None = None) -> SearchResult:
         return self.program(problem, search or self.config.search, self.search_runtimes)

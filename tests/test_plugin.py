@@ -4,7 +4,6 @@ installed SGLang (read from source, without starting a runtime)."""
 import ast
 import importlib.util
 import json
-import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -111,6 +110,7 @@ def test_register_without_the_env_var_installs_nothing(monkeypatch):
 
 
 def test_entry_point_names_register():
+    tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     group = project["project"]["entry-points"]["sglang.srt.plugins"]
     [(name, value)] = group.items()
@@ -143,8 +143,7 @@ def test_hook_through_sglangs_own_hook_registry():
     original = FakeSchedulePolicy.calc_priority
     HookRegistry.reset()
     try:
-        plugin.install("prefix", HookRegistry, HookType.AROUND)
-        HookRegistry._hooks[target] = HookRegistry._hooks.pop(plugin.TARGET)
+        HookRegistry.register(target, plugin.make_calc_priority_hook(PrefixAwareOrder()), HookType.AROUND)
         HookRegistry.apply_hooks()
         sched = FakeSchedulePolicy()
         queue = shuffled_forks()

@@ -13,7 +13,7 @@ from sgl_tts.roofline import (
     Hardware,
     ModelSpec,
     Workload,
-    _Costs,
+    StepCosts,
     add_plan_memory_parser,
     bench_planner,
     decode_step_time,
@@ -64,7 +64,8 @@ def test_roofline_times_by_hand():
     hw = Hardware("h", peak_flops=100.0, mem_bandwidth=10.0, mem_bytes=1e9, link_bandwidth=1.0)
     m = ModelSpec("m", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, weight_bytes=20.0,
                   matmul_params=5.0, dtype_bytes=1)
-    # Prefill of 2 sequences of 4 tokens: FLOPs 2·(2·5·4 + 2·1·1·1·16) = 144 → 1.44 s; bytes 20 + 2·4·2 = 36 → 3.6 s.
+    # Prefill of 2 sequences of 4 tokens: FLOPs 2·(2·5·4 + 2·1·1·1·16) = 144 → 1.44 s;
+    # bytes 20 + 2·4·2 = 36 → 3.6 s.
     assert prefill_time(m, hw, 2, 4) == pytest.approx(3.6)
     # One decode step, 3 sequences, 10 cached: FLOPs 3·(10 + 4·10) = 150 → 1.5 s; bytes 20 + 3·10·2 = 80 → 8 s.
     assert decode_step_time(m, hw, 3, 10) == pytest.approx(8.0)
@@ -78,7 +79,7 @@ def test_tiny_case_by_hand():
     # T_pre(b) = ⌈4/b⌉·(10 + 4b):          T_pre(1) = 56,  T_pre(2) = 36.
     # T_dec(b) = ⌈4/b⌉·2·(10 + b·1·2):      T_dec(1) = 96,  T_dec(2) = 56   (S̄_cache = 1).
     # Totals: 152, 112, 132 → (1, 2).
-    costs = _Costs(toy_model(), toy_model(), MEMORY_BOUND, Workload(4, 0, 2))
+    costs = StepCosts(toy_model(), toy_model(), MEMORY_BOUND, Workload(4, 0, 2))
     best = search_shared(costs, 12)
     assert (best.b_pre, best.b_dec, best.t_total) == (1, 2, pytest.approx(112))
     assert brute_force(costs, 12)[:2] == (1, 2)
@@ -102,7 +103,7 @@ def random_case(rng):
     gen = ModelSpec("g", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
     ver = ModelSpec("v", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
     work = Workload(rng.randint(1, 14), rng.randint(0, 6), rng.randint(1, 6))
-    costs = _Costs(gen, ver, hw, work)
+    costs = StepCosts(gen, ver, hw, work)
     per_pair = costs.kv_ver_seq + costs.kv_gen_seq
     return costs, rng.uniform(0.5, work.n * 1.5) * per_pair
 
@@ -123,7 +124,7 @@ def test_search_matches_brute_force_and_respects_the_budget():
 def test_ties_go_to_the_larger_decode_batch():
     # Compute-bound only and N = 4: ⌈4/b⌉·b·c is 4c for b = 1, 2 and 4, so (1,1), (1,2), (2,1) all tie.
     hw = Hardware("flops", peak_flops=1.0, mem_bandwidth=1e30, mem_bytes=1e9, link_bandwidth=1.0)
-    costs = _Costs(toy_model(flops_params=1.0), toy_model(flops_params=1.0), hw, Workload(4, 0, 2))
+    costs = StepCosts(toy_model(flops_params=1.0), toy_model(flops_params=1.0), hw, Workload(4, 0, 2))
     assert costs.verify[1] == costs.verify[2] and costs.generate[1] == costs.generate[2]
     best = search_shared(costs, 12)
     assert (best.b_pre, best.b_dec) == (1, 2)
@@ -133,7 +134,7 @@ def test_a_smaller_decode_batch_can_win():
     # ⌈N/B⌉ makes the decode term non-monotone: with N = 10 and memory-bound decode, B = 5 (2 rounds)
     # beats B = 6 (also 2 rounds, more KV traffic), so the bound on B_dec is not always the answer.
     # The verifier's KV (6 layers: 24 bytes a sequence) leaves room for B_pre = 1 and B_dec <= 6 only.
-    costs = _Costs(toy_model(), toy_model(layers=6), MEMORY_BOUND, Workload(10, 0, 2))
+    costs = StepCosts(toy_model(), toy_model(layers=6), MEMORY_BOUND, Workload(10, 0, 2))
     assert costs.generate[5] < costs.generate[6]
     best = search_shared(costs, 24 + 6 * 4)
     assert (best.b_pre, best.b_dec) == (1, 5) == brute_force(costs, 24 + 6 * 4)[:2]

@@ -1,0 +1,67 @@
+"""The scheduler plugin inside a real SGLang CPU runtime: it loads in the scheduler process and the
+waiting queue is served in prefix-aware order, not arrival order."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from policies.base import BeamTag, decode_rid, encode_rid
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture(scope="module")
+def policy_runtime(tmp_path_factory):
+    """A tiny-model runtime with SGL_TTS_POLICY=prefix and one request running at a time, so that every
+    other request waits in the queue the policy orders."""
+    from sgl_tts.runtime import Runtime, RuntimeConfig
+
+    folder = tmp_path_factory.mktemp("policy-runtime")
+    trace = folder / "trace.jsonl"
+    config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, max_running_requests=1,
+                           startup_timeout_s=600, extra_args=["--schedule-policy", "fcfs"],
+                           env={"SGL_TTS_POLICY": "prefix", "SGL_TTS_POLICY_TRACE": str(trace)})
+    runtime = Runtime.start(config, name="policy", log_dir=folder)
+    yield runtime, trace
+    runtime.stop()
+
+
+def test_plugin_reorders_the_waiting_queue_inside_the_scheduler(policy_runtime):
+    from sgl_tts.runtime import http_json
+
+    runtime, trace = policy_runtime
+    finished, lock = [], threading.Lock()
+
+    def send(rid, max_new_tokens):
+        http_json(runtime.url + "/generate", {
+            "rid": rid, "text": "The answer is",
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0},
+        })
+        with lock:
+            finished.append(rid)
+
+    # A long request occupies the only running slot while the forks arrive, parents out of order.
+    threads = [threading.Thread(target=send, args=("blocker", 400))]
+    threads[0].start()
+    time.sleep(1.0)
+    arrivals = [encode_rid(BeamTag("q", 1, beam, parent)) for beam, parent in
+                enumerate([2, 0, 1, 2, 0, 1])]
+    for rid in arrivals:
+        threads.append(threading.Thread(target=send, args=(rid, 4)))
+        threads[-1].start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout=300)
+    runtime.check_alive()
+
+    assert finished[0] == "blocker", f"the forks should wait for the blocker; finished: {finished}"
+    served = [decode_rid(rid) for rid in finished[1:]]
+    assert [t.parent_id for t in served] == [0, 0, 1, 1, 2, 2], finished
+    assert [t.beam_id for t in served] == [1, 4, 2, 5, 0, 3], "queue order within a parent's group"
+
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines and all(line["pid"] != os.getpid() for line in lines), "reordered in the scheduler process"
+    assert any(line["rids"] == finished[1:] for line in lines)
