@@ -47,20 +47,22 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
 from eval.datasets import DATASETS, Problem, load_problems
-from eval.experiment import Experiment, ScriptedOptions, Unit, load_experiment, plain
+from eval.report import RESULTS_FILE, row_key, write_report
 from eval.results import ResultStore, config_hash, provenance
 from sgl_tts.config import ConfigError
 from sgl_tts.metrics import problem_metrics, summarize
 from sgl_tts.records import SearchResult
 from sgl_tts.runtime import RuntimeDiedError
-from sgl_tts.session import RunConfig
 
-RESULTS_FILE = "results.jsonl"
+if TYPE_CHECKING:  # eval.experiment imports sgl_tts.session, which imports sglang (seconds): not for --help
+    from eval.experiment import Experiment, ScriptedOptions, Unit
+    from sgl_tts.session import RunConfig
+
 EXPERIMENT_FILE = "experiment.yaml"
 SCRIPTED_PROMPT = "Q: {question}\n\n"
 
@@ -80,25 +82,26 @@ class RequestLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tickets = count()
-        self._prompts: dict[int, str] = {}
+        self._prompts: dict[int, tuple[str, ...]] = {}
         self._entries: dict[int, list[dict[str, Any]]] = {}
 
-    def instrument(self, backend: Any) -> None:
-        """Wrap `backend.generate` (on the instance; the class is untouched)."""
+    def instrument(self, backend: Any, name: str = "generator") -> None:
+        """Wrap `backend.generate` (on the instance; the class is untouched); entries carry `name`."""
         original = backend.generate
 
         def generate(s, sampling_params):
             began = time.perf_counter()
             text, meta = original(s, sampling_params)
-            self._add(s.text_, time.perf_counter() - began, meta or {})
+            self._add(name, s.text_, time.perf_counter() - began, meta or {})
             return text, meta
 
         backend.generate = generate
 
-    def begin(self, prompt: str) -> int:
+    def begin(self, *prompts: str) -> int:
+        """Start collecting for one problem, whose requests start with one of `prompts`."""
         with self._lock:
             ticket = next(self._tickets)
-            self._prompts[ticket] = prompt
+            self._prompts[ticket] = prompts
             self._entries[ticket] = []
             return ticket
 
@@ -107,12 +110,13 @@ class RequestLog:
             self._prompts.pop(ticket, None)
             return self._entries.pop(ticket, [])
 
-    def _add(self, text: str, client_s: float, meta: dict[str, Any]) -> None:
-        entry = {"client_s": client_s, "completion_tokens": meta.get("completion_tokens"),
+    def _add(self, backend: str, text: str, client_s: float, meta: dict[str, Any]) -> None:
+        entry = {"backend": backend, "client_s": client_s, "completion_tokens": meta.get("completion_tokens"),
                  "e2e_latency": meta.get("e2e_latency"), "first_token_latency": meta.get("first_token_latency"),
                  "queue_time": meta.get("queue_time")}
         with self._lock:
-            matches = [(len(prompt), -ticket) for ticket, prompt in self._prompts.items() if text.startswith(prompt)]
+            matches = [(len(prompt), -ticket) for ticket, prompts in self._prompts.items() for prompt in prompts
+                       if text.startswith(prompt)]
             if matches:
                 self._entries[-max(matches)[1]].append(entry)
 
@@ -205,10 +209,16 @@ class SessionSolver:
         self.session = Session(dataclasses.replace(config, log_dir=config.log_dir or str(log_dir)))
         self.startup_s = self.session.started_s
         self.requests = RequestLog()
-        self.requests.instrument(self.session.search_runtimes.generator)
+        runtimes = self.session.search_runtimes
+        self.requests.instrument(runtimes.generator)
+        if runtimes.target is not None and runtimes.target is not runtimes.generator:
+            self.requests.instrument(runtimes.target, "target")  # RSD's target model
 
-    def prompt(self, question: str) -> str:
-        return self.session.search_runtimes.prompt(question)
+    def prompts(self, question: str) -> tuple[str, ...]:
+        """The prompt texts this problem's requests start with (the target's own chat format too)."""
+        runtimes = self.session.search_runtimes
+        target_prompt = runtimes.extras.get("target_prompt")
+        return (runtimes.prompt(question),) + ((target_prompt(question),) if target_prompt else ())
 
     def solve(self, problem: Problem, search: Any) -> SearchResult:
         return self.session.solve(problem, search)
@@ -250,22 +260,21 @@ class ScriptedSolver:
     def __init__(self, config: RunConfig, options: ScriptedOptions, died: set[str], lock: threading.Lock):
         from sgl_tts.registry import load_program
         from sgl_tts.search import Runtimes
-        from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+        from sgl_tts.testing import ScriptedScorer
 
         began = time.monotonic()
-        backend = ScriptedBackend(ScriptedModel(answer_depth=options.answer_depth, answers=options.answers))
-        self.runtimes = Runtimes(generator=backend, scorer=ScriptedScorer(),
+        self.runtimes = Runtimes(generator=None, scorer=ScriptedScorer(),
                                  prompt=lambda question: SCRIPTED_PROMPT.format(question=question))
         self.program = load_program(config.search.program)
         self.options = options
         self.requests = RequestLog()
-        self.requests.instrument(backend)
+        self.flush_cache()
         self.dead = False
         self._died, self._lock = died, lock
         self.startup_s = time.monotonic() - began
 
-    def prompt(self, question: str) -> str:
-        return self.runtimes.prompt(question)
+    def prompts(self, question: str) -> tuple[str, ...]:
+        return (self.runtimes.prompt(question),)
 
     def solve(self, problem: Problem, search: Any) -> SearchResult:
         with self._lock:
@@ -281,7 +290,13 @@ class ScriptedSolver:
         return not self.dead
 
     def flush_cache(self) -> None:
-        pass
+        """A fresh scripted model: its per-text variant counters and prefix cache start empty, so a unit's
+        results depend on nothing solved before it (as a flushed radix cache and a fixed seed would)."""
+        from sgl_tts.testing import ScriptedBackend, ScriptedModel
+
+        backend = ScriptedBackend(ScriptedModel(answer_depth=self.options.answer_depth, answers=self.options.answers))
+        self.requests.instrument(backend)
+        self.runtimes.generator = backend
 
     def describe(self) -> dict[str, Any]:
         return {"generator": {"model": "scripted", "revision": None, "precision": None},
@@ -319,10 +334,6 @@ class ArmRuntimes:
 # The run
 
 
-def row_key(row: dict[str, Any]) -> tuple[str, str, int, int, int, str]:
-    return (row["arm"], row["dataset"], row["n"], row["seed"], row["repetition"], str(row["problem_id"]))
-
-
 @dataclass
 class RunOutcome:
     run_dir: Path
@@ -348,7 +359,7 @@ class EvalRun:
         self.store = ResultStore(self.run_dir / RESULTS_FILE)
         self.progress = progress
         self._log = log
-        self.fingerprint_sha = config_hash(experiment.fingerprint())
+        self.fingerprint_sha = config_hash(experiment.fingerprint())  # the folder holds this experiment only
         self._died: set[str] = set()  # scripted die_on ids already used
         self._died_lock = threading.Lock()
 
@@ -392,6 +403,8 @@ class EvalRun:
 
     def prepare(self) -> dict[str, Any]:
         """Create or reopen the run folder; refuse one that holds a different experiment."""
+        from eval.experiment import plain
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         previous = self.store.runs()
         stored = {run.get("experiment_sha256") for run in previous}
@@ -421,8 +434,6 @@ class EvalRun:
 
     def run(self) -> RunOutcome:
         from tqdm import tqdm
-
-        from eval.report import write_report
 
         problems = self.load_problems()
         self.check_arms()
@@ -495,7 +506,7 @@ class EvalRun:
 
     @staticmethod
     def solve_one(solver: Any, unit: Unit, problem: Problem) -> tuple[SearchResult | None, Exception | None, float, list]:
-        ticket = solver.requests.begin(solver.prompt(problem.question))
+        ticket = solver.requests.begin(*solver.prompts(problem.question))
         began = time.monotonic()
         try:
             result, error = solver.solve(problem, unit.config.search), None
@@ -504,6 +515,8 @@ class EvalRun:
         return result, error, time.monotonic() - began, solver.requests.end(ticket)
 
     def row_provenance(self, unit: Unit, solver: Any, header: dict[str, Any]) -> dict[str, Any]:
+        from eval.experiment import plain
+
         config = plain(unit.config)
         return {"run_id": header["run_id"], "experiment_sha256": self.fingerprint_sha, "config": config,
                 "config_sha256": config_hash(config), "seed": unit.seed, "packages": header["packages"],
@@ -533,9 +546,11 @@ class EvalRun:
                 metrics=metrics,
                 timing={"runtime_start_s": solver.startup_s, "solve_wall_s": wall_s, "total_s": result.total_time_s,
                         "generator_s": result.generator_time_s, "verifier_s": result.verifier_time_s,
-                        "requests": request_windows(entries)},
+                        "requests": request_windows([e for e in entries if e["backend"] == "generator"])},
                 result=result.to_dict(),
             )
+            if any(e["backend"] == "target" for e in entries):
+                row["timing"]["target_requests"] = request_windows([e for e in entries if e["backend"] == "target"])
             self.written += 1
         row["provenance"] = row_provenance
         self.store.append(row)
@@ -556,6 +571,8 @@ def add_eval_parser(commands: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from eval.experiment import load_experiment
+
     if args.out and args.resume and Path(args.out).resolve() != Path(args.resume).resolve():
         raise ConfigError("give --out or --resume, not two different folders")
     run_dir = args.resume or args.out

@@ -4,15 +4,22 @@ Each iteration every kept beam is forked into M = beam_width children that each 
 scorer scores the new steps and the n / M best unfinished children are kept. Finished paths (an answer,
 end of sequence, or a limit) leave the beam and become candidates. The first iteration forks the prompt n
 times. The search ends when no beam is left or max_steps is reached.
+
+With `lookahead` k > 0 each unfinished child is rolled out k more steps greedily (temperature 0) and ranked
+by the rollout's score; the child keeps only its own step (search-and-learn's lookahead search).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import sglang as sgl
 
+from sgl_tts.fasttts import search_steps
 from sgl_tts.grading import extract_answer
 from sgl_tts.records import SearchResult
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, build_result, expand, finish, rank_key
+from sgl_tts.scoring import aggregate
+from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, expand, finish, rank_key, run_search
 
 
 def keep_count(config: SearchConfig) -> int:
@@ -20,17 +27,23 @@ def keep_count(config: SearchConfig) -> int:
 
 
 @sgl.function
-def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker):
+def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
+                        finished: list[Path], problem_id: str = "search"):
     s += prompt
     beams = [Path(state=s)]
-    finished: list[Path] = []
+    # Generation and verification of one iteration; with FastTTS P or S on (runtimes.extras) requests are
+    # tagged for the scheduler policy, with S idle slots run speculative continuations (sgl_tts.fasttts).
+    steps = search_steps(runtimes, config, tracker, problem_id, extract_answer)
     for iteration in range(config.max_steps):
         fan_out = config.n if iteration == 0 else config.beam_width
-        children = expand([(beam, fan_out) for beam in beams], config, tracker, extract_answer)
-        tracker.score(runtimes.scorer, prompt, children)
+        children = steps.step(beams, fan_out, iteration, runtimes.scorer, prompt)
         finished += [c for c in children if not c.active]
-        ranked = sorted((c for c in children if c.active), key=lambda c: rank_key(c, config.aggregation))
-        beams = ranked[: keep_count(config)]
+        active = [c for c in children if c.active]
+        if config.lookahead and active:
+            score_lookahead(active, prompt, config, runtimes, tracker)
+        key = lookahead_rank_key if config.lookahead else (lambda c: rank_key(c, config.aggregation))
+        kept = {id(c) for c in sorted(active, key=key)[: keep_count(config)]}
+        beams = [c for c in active if id(c) in kept]  # in parent order, as the prefix-aware policy needs
         if not beams:
             break
     for beam in beams:
@@ -38,11 +51,25 @@ def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes
     return finished + beams
 
 
+def score_lookahead(paths: list[Path], prompt: str, config: SearchConfig, runtimes: Runtimes,
+                    tracker: SearchTracker) -> None:
+    """Sets extra["lookahead_score"] of each path: the score of its greedy rollout `lookahead` steps on."""
+    greedy = dataclasses.replace(config, temperature=0.0)
+    rollouts = list(paths)
+    for _ in range(config.lookahead):
+        growing = [r for r in rollouts if r.active]
+        if not growing:
+            break
+        grown = iter(expand([(r, 1) for r in growing], greedy, tracker, extract_answer))
+        rollouts = [next(grown) if r.active else r for r in rollouts]
+    tracker.score(runtimes.scorer, prompt, [r for r, p in zip(rollouts, paths) if r is not p])
+    for path, rollout in zip(paths, rollouts):
+        path.extra["lookahead_score"] = aggregate(rollout.step_scores, config.aggregation)
+
+
+def lookahead_rank_key(path: Path) -> tuple[float, str]:
+    return (-path.extra["lookahead_score"], path.text)
+
+
 def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    if runtimes.scorer is None:
-        raise ValueError("beam_search needs a scorer: set 'scorer' in the config")
-    tracker = SearchTracker(config)
-    prompt = runtimes.prompt(problem.question)
-    state = beam_search_program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker,
-                                    backend=runtimes.generator)
-    return build_result(problem.id, "beam_search", state.ret_value, config, tracker)
+    return run_search(beam_search_program, problem, "beam_search", config, runtimes, problem_id=problem.id)

@@ -10,8 +10,8 @@ import sglang as sgl
 
 from sgl_tts.grading import extract_answer
 from sgl_tts.records import SearchResult
-from sgl_tts.search import (Path, Runtimes, SearchConfig, SearchTracker, build_result, finish,
-                            split_steps, wait_meta)
+from sgl_tts.search import (RUNTIME_FAILURES, Path, Runtimes, SearchConfig, SearchTracker, build_result,
+                            finish, search_failed, split_steps, wait_meta)
 
 
 @sgl.function
@@ -45,5 +45,8 @@ def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
     tracker.generator_time_s = tracker.elapsed()
     tracker.iterations = 1
     if runtimes.scorer is not None:
-        tracker.score(runtimes.scorer, prompt, paths)
+        try:
+            tracker.score(runtimes.scorer, prompt, paths)
+        except RUNTIME_FAILURES as exc:  # the samples are finished: keep them, unscored
+            raise search_failed(problem.id, "best_of_n", paths, config, tracker, exc) from exc
     return build_result(problem.id, "best_of_n", paths, config, tracker)

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.rsd_sweep import add_rsd_sweep_parser
 
     add_rsd_sweep_parser(commands)
+
+    from eval.runner import add_eval_parser
+
+    add_eval_parser(commands)
     return parser
 
 

@@ -87,8 +87,8 @@ def _si(value: float | None, unit: str = "") -> str:
 
 def target_note(settings: dict[str, Any] | None = None) -> str:
     return ("note: the target is the draft model itself (same weights); a rejected step is rewritten by the "
-            "same model" + (", greedily, so the text cannot change: accuracy cannot depend on delta here"
-                            if settings and settings.get("temperature") == 0 else "")
+            "same model" + (", greedily, so into the same text (up to numerical noise): accuracy barely "
+                            "depends on delta here" if settings and settings.get("temperature") == 0 else "")
             + ". This setup shows RSD's mechanism and costs, not its accuracy gain.")
 
 
@@ -107,8 +107,8 @@ def summary_lines(results: Sequence[SearchResult]) -> list[str]:
         "rsd FLOPs (2N per token): " + (", ".join(f"{m} {_si(flops[m], 'FLOP')}" for m in MODELS)
                                         + f" | total {_si(stats['total_flops'], 'FLOP')}, "
                                         f"{_si(stats['flops_per_problem'], 'FLOP')} per problem"
-                                        if stats["total_flops"] is not None else "n/a (parameter counts unknown)")
-        + f" | latency per problem: wall {stats['latency_s']['mean']:.1f} s mean, "
+                                        if stats["total_flops"] is not None else "n/a (parameter counts unknown)"),
+        f"rsd latency per problem: wall {stats['latency_s']['mean']:.1f} s mean, "
         f"model calls {stats['model_latency_s']['mean']:.1f} s mean | "
         f"throughput {_si(stats['throughput_tok_s'], 'tok/s')} (solution tokens / model-call seconds)",
     ]

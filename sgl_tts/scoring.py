@@ -7,6 +7,7 @@ number (last, min, prod, mean) is a separate, named aggregation (STYLE: score pe
 from __future__ import annotations
 
 import math
+import re
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -116,19 +117,60 @@ class LikelihoodScorer(StepScorer):
             return list(pool.map(lambda p: self._score_path(prompt, p), paths))
 
 
+def _prm_scorer(class_name: str) -> Callable[..., StepScorer]:
+    """Factory for a PRM scorer class in `sgl_tts.prm_scorers` (imported on use: it imports this module)."""
+    def make(config: "ScorerConfig", runtime: Any, tokenizer: Any) -> StepScorer:
+        from sgl_tts import prm_scorers
+
+        return getattr(prm_scorers, class_name)(config, runtime, tokenizer)
+    return make
+
+
 SCORER_KINDS: dict[str, Callable[..., StepScorer]] = {
     "likelihood": lambda config, runtime, tokenizer: LikelihoodScorer(runtime, tokenizer),
+    "math_shepherd": _prm_scorer("MathShepherdScorer"),
+    "rlhflow": _prm_scorer("RLHFlowScorer"),
+    "classifier": _prm_scorer("ClassifierPRMScorer"),
 }
 
 
 @dataclass(frozen=True)
 class ScorerConfig:
-    kind: str = "likelihood"
+    kind: str = "likelihood"  # one of SCORER_KINDS
     runtime: RuntimeConfig | None = None  # None: score on the generator's runtime
+    # Logprob-tag PRMs (math_shepherd, rlhflow): step score = P(+) / (P(+) + P(-)) read where the PRM
+    # judges the step. The defaults are the published models' strings; the ids override the tokenizer.
+    step_tag: str = " ки"  # math_shepherd: written after every step
+    positive_token: str = "+"
+    negative_token: str = "-"
+    positive_token_id: int | None = None  # None: the tokenizer's single token for positive_token
+    negative_token_id: int | None = None
+    # Classifier PRM (classifier): the token after every step and the system turn of its chat format.
+    step_token: str = "<extra_0>"
+    system_prompt: str | None = None  # None: the model card's prompt (sgl_tts.prm_models.client)
+    # PRMs read the question, not the generator's prompt: the last match of group 1 in the prompt.
+    question_pattern: str = r"<\|im_start\|>user\n(.*?)<\|im_end\|>"
 
     def __post_init__(self) -> None:
         if self.kind not in SCORER_KINDS:
             raise ValueError(f"unknown scorer kind {self.kind!r}; known: {', '.join(SCORER_KINDS)}")
+        for name in ("step_tag", "positive_token", "negative_token", "step_token"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+        if self.positive_token == self.negative_token:
+            raise ValueError(f"positive_token and negative_token must differ, both are {self.positive_token!r}")
+        for name in ("positive_token_id", "negative_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a token id (int >= 0) or null, got {value!r}")
+        if self.positive_token_id is not None and self.positive_token_id == self.negative_token_id:
+            raise ValueError(f"positive_token_id and negative_token_id must differ, both are {self.positive_token_id}")
+        try:
+            groups = re.compile(self.question_pattern).groups
+        except re.error as exc:
+            raise ValueError(f"question_pattern is not a valid regular expression: {exc}") from None
+        if groups < 1:
+            raise ValueError("question_pattern needs a group that captures the question, e.g. 'user\\n(.*?)<'")
 
 
 def make_scorer(config: ScorerConfig, runtime: Any, tokenizer: Any) -> StepScorer:

@@ -14,7 +14,8 @@ import sglang as sgl
 
 from sgl_tts.backend import REQUEST_FIELDS
 from sgl_tts.records import Candidate, SearchResult
-from sgl_tts.scoring import AGGREGATIONS, StepScorer, aggregate
+from sgl_tts.runtime import RuntimeDiedError
+from sgl_tts.scoring import AGGREGATIONS, ScorerError, StepScorer, aggregate
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -33,6 +34,11 @@ class SearchConfig:
     aggregation: str = "last"  # how a path's step scores become its score: last, min, prod, mean
     selection: Selection = "weighted"  # final answer: best path, score-weighted vote, or majority vote
     seed: int = 0
+    lookahead: int = 0  # beam_search: rank a child by a greedy rollout this many steps further (0: off)
+    branching_temperature: float = 0.2  # dynamic_branching: softmax temperature of the child allocation
+    granularity: int = 1  # varying_granularity: steps generated between verifications (the base g)
+    adaptive_granularity: bool = False  # varying_granularity: double g while verification does not separate
+    granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
 
     def __post_init__(self) -> None:
         for name in ("n", "beam_width", "max_steps", "max_step_tokens", "max_tokens"):
@@ -46,6 +52,14 @@ class SearchConfig:
             raise ValueError("step_delimiter must not be empty")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.granularity < 1:
+            raise ValueError(f"granularity must be at least 1, got {self.granularity}")
+        if not self.branching_temperature > 0:
+            raise ValueError(f"branching_temperature must be > 0, got {self.branching_temperature}")
+        if not 0 <= self.granularity_margin <= 1:
+            raise ValueError(f"granularity_margin must be in [0, 1], got {self.granularity_margin}")
 
 
 @dataclass
@@ -95,6 +109,7 @@ class SearchTracker:
         self.verifier_time_s = 0.0
         self.iterations = 0
         self.verifier_calls = 0
+        self.extra: dict[str, Any] = {}  # program-specific counts for the result's `extra`
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -247,5 +262,45 @@ def build_result(problem_id: str, program: str, paths: Sequence[Path], config: S
         generated_tokens=tracker.generated_tokens, prompt_tokens=tracker.prompt_tokens,
         cached_tokens=tracker.cached_tokens, generator_time_s=tracker.generator_time_s,
         verifier_time_s=tracker.verifier_time_s, total_time_s=end, iterations=tracker.iterations,
-        verifier_calls=tracker.verifier_calls, error=error, extra=dict(extra or {}),
+        verifier_calls=tracker.verifier_calls, error=error, extra={**tracker.extra, **(extra or {})},
     )
+
+
+class SearchError(RuntimeError):
+    """A runtime failed mid-search. The message names the runtime; `result` is the partial record: the
+    candidates that had finished before the failure, the counts so far, and `error` set to the message."""
+
+    def __init__(self, message: str, result: SearchResult):
+        super().__init__(message)
+        self.result = result
+
+
+RUNTIME_FAILURES = (ScorerError, RuntimeDiedError)  # what a program turns into SearchError
+
+
+def search_failed(problem_id: str, program: str, finished: Sequence[Path], config: SearchConfig,
+                  tracker: SearchTracker, exc: BaseException) -> SearchError:
+    """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
+    message = f"{program} stopped: {exc}"
+    return SearchError(message, build_result(problem_id, program, finished, config, tracker, error=message))
+
+
+def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,
+               needs_scorer: bool = True, **arguments: Any) -> SearchResult:
+    """Run the `@sgl.function` `program(s, prompt, config, runtimes, tracker, finished, **arguments)` and
+    build the result from the paths it returns.
+
+    The program appends each path to `finished` when the path ends, so that when the scorer or generator
+    runtime dies (RUNTIME_FAILURES) the SearchError raised here still carries those candidates.
+    """
+    if needs_scorer and runtimes.scorer is None:
+        raise ValueError(f"{name} needs a scorer: set 'scorer' in the config")
+    tracker = SearchTracker(config)
+    prompt = runtimes.prompt(problem.question)
+    finished: list[Path] = []
+    try:
+        state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker, finished=finished,
+                            backend=runtimes.generator, **arguments)
+    except RUNTIME_FAILURES as exc:
+        raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
+    return build_result(problem.id, name, state.ret_value, config, tracker)

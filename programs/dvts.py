@@ -1,0 +1,51 @@
+"""Diverse verifier tree search (DVTS): n / M independent subtrees, each searched greedily, candidates pooled.
+
+The prompt is forked n times; the n first steps are dealt into n / M subtrees of M = beam_width (in text
+order, so a search does not depend on which request the server finished first). From then on each subtree
+keeps only its best-scoring child and forks it M times for the next step; a subtree ends when its best
+child has finished. Nothing is compared across subtrees until the end, which keeps them diverse (Beeching
+et al., search-and-learn; FastTTS §3.1 "diverse selection"). The candidates are the n / M subtree paths.
+"""
+
+from __future__ import annotations
+
+import sglang as sgl
+
+from sgl_tts.grading import extract_answer
+from sgl_tts.records import SearchResult
+from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, expand, finish, rank_key, run_search
+
+
+def subtree_count(config: SearchConfig) -> int:
+    return max(1, config.n // config.beam_width)
+
+
+@sgl.function
+def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
+                 finished: list[Path]):
+    s += prompt
+    subtrees, width = subtree_count(config), config.beam_width
+    firsts = sorted(expand([(Path(state=s), subtrees * width)], config, tracker, extract_answer),
+                    key=lambda path: path.text)
+    children_of = {i: firsts[i * width:(i + 1) * width] for i in range(subtrees)}
+    beams: list[Path | None] = [None] * subtrees
+    for iteration in range(config.max_steps):
+        if iteration > 0:
+            growing = [i for i, beam in enumerate(beams) if beam.active]
+            if not growing:
+                break
+            children = expand([(beams[i], width) for i in growing], config, tracker, extract_answer)
+            children_of = {i: children[k * width:(k + 1) * width] for k, i in enumerate(growing)}
+        tracker.score(runtimes.scorer, prompt, [child for group in children_of.values() for child in group])
+        for i, group in children_of.items():
+            beams[i] = min(group, key=lambda child: rank_key(child, config.aggregation))  # greedy: best child
+            beams[i].extra["subtree"] = i
+            if not beams[i].active:
+                finished.append(beams[i])
+    for beam in beams:
+        finish(beam, "max_steps", tracker)
+    return beams
+
+
+def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
+    return run_search(dvts_program, problem, "dvts", config, runtimes)

@@ -1,0 +1,313 @@
+"""The FastTTS switches (FastTTS §4, the P/M/S ablation of Fig. 16) and where each one takes effect.
+
+- P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
+  (plugin env `SGL_TTS_POLICY=prefix`), and the search tags every generator request with its `BeamTag`.
+- M `memory_plan`: the KV budget is split between the generator and verifier runtimes by the roofline
+  planner (`sgl_tts.roofline.plan_memory`, §4.3) instead of 50/50.
+- S `speculative`: speculative beam extension (`sgl_tts.speculation`, §4.1); the generator runs with
+  priority scheduling so that standard requests preempt speculative ones.
+All off is the baseline: FCFS, no speculation, a static 50/50 split of the KV budget.
+
+`configure_runtimes` turns the switches into runtime settings (the Session starts runtimes with them);
+`search_extras` hands the search layer what it needs; `search_steps` gives a program the object that runs
+one beam-search iteration (generation, then verification) with the switches applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from policies import POLICIES
+from policies.base import BeamTag, encode_rid
+from policies.plugin import ENV_POLICY
+from sgl_tts.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
+                              Workload, get_hardware, load_model_spec, plan_memory)
+from sgl_tts.runtime import RuntimeConfig
+from sgl_tts.search import Path, SearchConfig, SearchTracker, expand
+
+MIB = 2**20
+FASTTTS = "fasttts"  # Runtimes.extras key: the FastTTSConfig of the run
+PRIORITY_FLAG = "--enable-priority-scheduling"
+PREEMPTION_THRESHOLD = 10  # SGLang's default --priority-scheduling-preemption-threshold
+
+
+@dataclass(frozen=True)
+class FastTTSConfig:
+    """The three FastTTS switches and their settings (YAML section `fasttts`).
+
+    prefix_order (P), memory_plan (M), speculative (S): independent switches; all off is the baseline.
+    lookahead: with S, verify a speculative whole next step together with the current step (§4.1.3).
+    truncation_ratio, truncation_std: R and the spread of the fraction of speculative tokens a duplicate
+        of a selected beam keeps (Algorithm 1, lines 18-19).
+    max_speculative: at most this many speculative requests of one search in flight (None: as many as
+        there are free batch slots, as in the paper; on a CPU a smaller number slows stragglers less).
+    standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
+        first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
+    hardware: roofline profile for M (`sgl_tts.roofline.HARDWARE` or `this-machine`, probed).
+    kv_budget_mib: KV-cache memory shared by the generator and verifier runtimes. None: without M the
+        runtimes keep their configured `max_total_tokens`; with M the configured budgets of both are
+        pooled and re-split (or, when one is unset, the hardware's default budget is split).
+    prompt_tokens: expected prompt length in tokens, for the plan's workload and the budget floors.
+    seed: seed of the truncation sampler.
+    """
+
+    prefix_order: bool = False
+    memory_plan: bool = False
+    speculative: bool = False
+    lookahead: bool = True
+    truncation_ratio: float = 0.85
+    truncation_std: float = 0.1
+    max_speculative: int | None = None
+    standard_priority: int = 20
+    speculative_priority: int = 0
+    hardware: str = THIS_MACHINE
+    kv_budget_mib: float | None = None
+    prompt_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.truncation_ratio <= 1.0:
+            raise ValueError(f"truncation_ratio must be in [0, 1], got {self.truncation_ratio}")
+        if self.truncation_std < 0:
+            raise ValueError(f"truncation_std must be >= 0, got {self.truncation_std}")
+        if self.max_speculative is not None and self.max_speculative < 1:
+            raise ValueError(f"max_speculative must be >= 1 or null, got {self.max_speculative}")
+        if self.standard_priority - self.speculative_priority <= PREEMPTION_THRESHOLD:
+            raise ValueError(f"standard_priority must exceed speculative_priority by more than "
+                             f"{PREEMPTION_THRESHOLD} (SGLang's preemption threshold), got "
+                             f"{self.standard_priority} and {self.speculative_priority}")
+        if self.hardware not in (*HARDWARE, THIS_MACHINE):
+            raise ValueError(f"unknown hardware {self.hardware!r}; known: {', '.join([*HARDWARE, THIS_MACHINE])}")
+        if self.kv_budget_mib is not None and self.kv_budget_mib <= 0:
+            raise ValueError(f"kv_budget_mib must be positive or null, got {self.kv_budget_mib}")
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+
+    @property
+    def label(self) -> str:
+        """'baseline', or the switches that are on: 'P', 'P+M', 'P+M+S', 'S', ..."""
+        on = [name for name, flag in (("P", self.prefix_order), ("M", self.memory_plan), ("S", self.speculative))
+              if flag]
+        return "+".join(on) or "baseline"
+
+    @property
+    def policy(self) -> str:
+        """The scheduler policy the generator runtime's plugin installs."""
+        name = "prefix" if self.prefix_order else "fcfs"
+        assert name in POLICIES, f"policy {name!r} is not registered; known: {', '.join(POLICIES)}"
+        return name
+
+    @property
+    def tags_requests(self) -> bool:
+        return self.prefix_order or self.speculative
+
+
+def from_label(label: str, **settings: Any) -> FastTTSConfig:
+    """The config for an ablation arm named like 'baseline', 'P', 'P+M', 'P+M+S'."""
+    names = {"P": "prefix_order", "M": "memory_plan", "S": "speculative"}
+    parts = [] if label == "baseline" else label.split("+")
+    unknown = [p for p in parts if p not in names]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(f"bad arm {label!r}: use 'baseline' or switches P, M, S joined by '+'")
+    return FastTTSConfig(**{names[p]: True for p in parts}, **settings)
+
+
+# ---- Runtime settings: P's plugin env, S's priority scheduling, M's KV split ----
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The generator and verifier runtime configs with the switches applied, and how KV was split."""
+
+    generator: RuntimeConfig
+    verifier: RuntimeConfig | None
+    split: str  # "as configured", "whole budget", "static 50/50" or "roofline"
+    plan: MemoryPlan | None = None
+
+
+def model_spec_for(config: RuntimeConfig) -> ModelSpec:
+    """The roofline's view of a runtime's model, in the dtype the runtime will use (fp32 on CPU)."""
+    from sgl_tts.models import resolve_model
+
+    if config.dtype != "auto":
+        dtype = config.dtype if config.dtype in DTYPE_BYTES else None
+    else:
+        dtype = "float32" if config.device == "cpu" else None
+    source = config.model if config.model in BUILTIN_CONFIGS else resolve_model(config.model)
+    return load_model_spec(source, dtype)
+
+
+def longest_request_tokens(fast: FastTTSConfig, search: SearchConfig) -> int:
+    """Tokens of the longest request either runtime must hold: a whole path plus a LookAhead step."""
+    return fast.prompt_tokens + search.max_tokens + search.max_step_tokens
+
+
+def plan_workload(fast: FastTTSConfig, search: SearchConfig) -> Workload:
+    """One search step for the roofline: n beams whose context averages the prompt plus half a path."""
+    return Workload(search.n, fast.prompt_tokens + search.max_tokens // 2, search.max_step_tokens)
+
+
+def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: RuntimeConfig,
+                       verifier: RuntimeConfig | None) -> RuntimeSettings:
+    """Apply P (plugin env), S (priority scheduling) and the KV split (M's plan or 50/50) to the configs.
+
+    `verifier` is the scorer's own runtime, or None when the scorer reads from the generator's runtime
+    (then the generator gets the whole budget). Budgets in tokens follow each model's KV bytes per token;
+    neither runtime gets less than the longest request (`longest_request_tokens`): the roofline would give
+    the verifier a single sequence of the average length, which SGLang could not serve the longest path with.
+    """
+    env = {**generator.env, ENV_POLICY: fast.policy}
+    args = list(generator.extra_args)
+    if fast.speculative and PRIORITY_FLAG not in args:
+        args.append(PRIORITY_FLAG)
+    generator = dataclasses.replace(generator, env=env, extra_args=args)
+
+    budget = None if fast.kv_budget_mib is None else fast.kv_budget_mib * MIB
+    gen_spec = model_spec_for(generator) if budget is not None or fast.memory_plan else None
+    if verifier is None:
+        if budget is None:
+            return RuntimeSettings(generator, None, "as configured")
+        tokens = _tokens(budget, gen_spec, "generator", fast, search)
+        return RuntimeSettings(dataclasses.replace(generator, max_total_tokens=tokens), None, "whole budget")
+    if budget is None and not fast.memory_plan:
+        return RuntimeSettings(generator, verifier, "as configured")
+
+    ver_spec = model_spec_for(verifier)
+    if budget is None and generator.max_total_tokens and verifier.max_total_tokens:
+        budget = float(generator.max_total_tokens * gen_spec.kv_bytes_per_token
+                       + verifier.max_total_tokens * ver_spec.kv_bytes_per_token)
+    plan = None
+    if fast.memory_plan:
+        plan = plan_memory(gen_spec, ver_spec, get_hardware(fast.hardware), plan_workload(fast, search), budget)
+        budget = plan.kv_budget
+        # Co-located SGLang runtimes allocate their KV pools at start, so the offload alternative (§4.3.2)
+        # cannot be carried out: take the shared-memory optimum. The verifier gets its B_pre sequences, but
+        # at least the longest request; the generator gets the rest.
+        b_pre = plan.shared.b_pre if plan.shared is not None else 1
+        floor = longest_request_tokens(fast, search)
+        ver_tokens = max(b_pre * plan.workload.seq_len, floor)
+        ver_bytes = ver_tokens * ver_spec.kv_bytes_per_token
+        gen_tokens = _tokens(budget - ver_bytes, gen_spec, "generator", fast, search)
+        split = "roofline"
+    else:
+        ver_tokens = _tokens(budget / 2, ver_spec, "verifier", fast, search)
+        gen_tokens = _tokens(budget / 2, gen_spec, "generator", fast, search)
+        split = "static 50/50"
+    return RuntimeSettings(dataclasses.replace(generator, max_total_tokens=gen_tokens),
+                           dataclasses.replace(verifier, max_total_tokens=ver_tokens), split, plan)
+
+
+def _tokens(kv_bytes: float, spec: ModelSpec, role: str, fast: FastTTSConfig, search: SearchConfig) -> int:
+    tokens = int(kv_bytes // spec.kv_bytes_per_token)
+    floor = longest_request_tokens(fast, search)
+    if tokens < floor:
+        raise ValueError(f"fasttts.kv_budget_mib: the {role} runtime's share holds {tokens} tokens, fewer than "
+                         f"the longest request ({floor} = prompt_tokens + max_tokens + max_step_tokens); "
+                         f"raise the budget (now {kv_bytes / MIB:.1f} MiB for the {role}, "
+                         f"{spec.kv_bytes_per_token} KV bytes per token)")
+    return tokens
+
+
+def describe_settings(settings: RuntimeSettings) -> str:
+    """One line: the KV token budgets and how they were chosen."""
+    parts = [f"generator {settings.generator.max_total_tokens or 'default'} tokens"]
+    if settings.verifier is not None:
+        parts.append(f"verifier {settings.verifier.max_total_tokens or 'default'} tokens")
+    line = f"KV split {settings.split}: " + ", ".join(parts)
+    if settings.plan is not None and settings.plan.shared is not None:
+        line += (f" (roofline on {settings.plan.hardware.name}: B_pre={settings.plan.shared.b_pre}, "
+                 f"B_dec={settings.plan.shared.b_dec}, budget {settings.plan.kv_budget / GIB:.3f} GiB)")
+    return line
+
+
+def search_extras(fast: FastTTSConfig, generator_runtime: Any, tokenizer: Any = None) -> dict[str, Any]:
+    """What the search layer reads from `Runtimes.extras`: the config, and with S the client that sends and
+    aborts speculative requests and the tokenizer that truncates speculative text at token boundaries."""
+    from sgl_tts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
+
+    extras: dict[str, Any] = {FASTTTS: fast}
+    if fast.speculative:
+        extras[SPECULATION_CLIENT] = HttpSpeculationClient(generator_runtime)
+        if tokenizer is not None:
+            extras[TOKEN_SPLITTER] = token_splitter(tokenizer)
+    return extras
+
+
+# ---- The search side: request tags and one iteration of beam search ----
+
+class BeamTagger:
+    """Request fields for one search: each request's `BeamTag` in its rid and, under S, its priority.
+
+    Beam ids are positions in the list of children of an iteration (parent order, fork order); a child's
+    parent id is its parent's beam id at the previous iteration (docs/policies.md).
+    """
+
+    def __init__(self, problem_id: str, fast: FastTTSConfig):
+        self.problem_id = f"{problem_id}/{uuid.uuid4().hex[:8]}"  # unique per search run
+        self.fast = fast
+        self._beam_id: dict[int, int] = {}  # id(path) -> its beam id in the last numbered iteration
+
+    def _fields(self, tag: BeamTag) -> dict[str, Any]:
+        fields: dict[str, Any] = {"rid": encode_rid(tag)}
+        if self.fast.speculative:
+            fields["priority"] = self.fast.speculative_priority if tag.speculative else self.fast.standard_priority
+        return fields
+
+    def parent_id(self, beam: Path, iteration: int) -> int | None:
+        return None if iteration == 0 else self._beam_id[id(beam)]
+
+    def standard(self, beams: Sequence[Path], fan_out: int, iteration: int) -> Callable[[Path, int], dict[str, Any]]:
+        """`expand`'s request_fields: child k of beam i gets beam id i·fan_out + k."""
+        first_child = {id(beam): index * fan_out for index, beam in enumerate(beams)}
+        parents = {id(beam): self.parent_id(beam, iteration) for beam in beams}
+
+        def fields(parent: Path, child_index: int) -> dict[str, Any]:
+            beam_id = first_child[id(parent)] + child_index
+            return self._fields(BeamTag(self.problem_id, iteration, beam_id, parents[id(parent)]))
+
+        return fields
+
+    def speculative(self, iteration: int, child_id: int, branch: int, bin_index: int) -> dict[str, Any]:
+        """Fields of speculative branch `branch` extending child `child_id` of `iteration` into the next step."""
+        return self._fields(BeamTag(self.problem_id, iteration + 1, branch, child_id, True, bin_index))
+
+    def number(self, children: Sequence[Path]) -> None:
+        """Record the children's beam ids (their positions) for the next iteration's parent ids."""
+        self._beam_id = {id(child): index for index, child in enumerate(children)}
+
+
+class SearchSteps:
+    """One beam-search iteration without speculation: fork and generate every child's step, then score."""
+
+    def __init__(self, config: SearchConfig, tracker: SearchTracker, extract_answer: Callable[[str], str | None],
+                 tagger: BeamTagger | None = None):
+        self.config = config
+        self.tracker = tracker
+        self.extract_answer = extract_answer
+        self.tagger = tagger
+
+    def step(self, beams: Sequence[Path], fan_out: int, iteration: int, scorer: Any, prompt: str) -> list[Path]:
+        fields = self.tagger.standard(beams, fan_out, iteration) if self.tagger else None
+        children = expand([(beam, fan_out) for beam in beams], self.config, self.tracker, self.extract_answer,
+                          request_fields=fields)
+        self.tracker.score(scorer, prompt, children)
+        if self.tagger:
+            self.tagger.number(children)
+        return children
+
+    def close(self) -> None:
+        pass
+
+
+def search_steps(runtimes: Any, config: SearchConfig, tracker: SearchTracker, problem_id: str,
+                 extract_answer: Callable[[str], str | None]) -> SearchSteps:
+    """The iteration runner for a search on `runtimes`, with the run's FastTTS switches applied."""
+    fast = runtimes.extras.get(FASTTTS) or FastTTSConfig()
+    tagger = BeamTagger(problem_id, fast) if fast.tags_requests else None
+    if not fast.speculative:
+        return SearchSteps(config, tracker, extract_answer, tagger)
+    from sgl_tts.speculation import SpeculativeSteps
+
+    return SpeculativeSteps.from_runtimes(runtimes, config, tracker, extract_answer, tagger, fast)

@@ -1,0 +1,211 @@
+"""Process reward models behind the `StepScorer` interface, each served by an SGLang runtime.
+
+- `MathShepherdScorer` (kind `math_shepherd`): the PRM reads `question step1<tag>\\nstep2<tag>...`; the
+  score of step k is P(+) / (P(+) + P(-)) of the next token at the end of its tag (Wang et al., Math-Shepherd).
+- `RLHFlowScorer` (kind `rlhflow`): a chat where the user turns are the question with step 1, then each
+  further step, and every assistant turn is `+`; the score of step k is P(+) / (P(+) + P(-)) where the
+  assistant's k-th `+` is predicted (RLHFlow's Llama-3.1-8B-PRM recipe).
+- `ClassifierPRMScorer` (kind `classifier`): a step-classifier PRM (Qwen2.5-Math-PRM style) served by
+  `sgl_tts.prm_models`; the score is the classifier's P(correct) at the step token after each step.
+
+The two logprob-tag PRMs run on a plain SGLang runtime: one batched `/generate` with `max_new_tokens=1`,
+`return_logprob` and `token_ids_logprob=[+, -]`. Tags, tokens and ids come from `ScorerConfig`. All three
+read the question, found in the generator's prompt by `ScorerConfig.question_pattern`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import abstractmethod
+from typing import Any, Sequence
+
+from sgl_tts.runtime import RuntimeConfig, http_json
+from sgl_tts.scoring import ScorerConfig, ScorerError, StepScorer
+
+
+def classifier_runtime_config(model: str, **overrides: Any) -> RuntimeConfig:
+    """The runtime a step-classifier PRM needs (embedding mode, our model class, its memory knobs)."""
+    from sgl_tts.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
+
+    settings: dict[str, Any] = dict(model=model, is_embedding=True, extra_args=list(SERVER_ARGS),
+                                    env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3, max_total_tokens=16384)
+    settings.update(overrides)
+    return RuntimeConfig(**settings)
+
+
+class _RuntimePRM(StepScorer):
+    """Shared by the PRM scorers: the runtime, the tokenizer, the question and runtime failures."""
+
+    def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
+        super().__init__()
+        self.config = config
+        self.runtime = runtime  # sgl_tts.runtime.Runtime (needs .url, .name, .check_alive())
+        self.tokenizer = tokenizer
+        self._question = re.compile(config.question_pattern, re.S)
+
+    def question_of(self, prompt: str) -> str:
+        matches = self._question.findall(prompt)
+        if not matches:
+            raise ValueError(f"scorer '{self.name}': the generator prompt does not match scorer.question_pattern "
+                             f"{self.config.question_pattern!r}; set it to capture the question. Prompt: {prompt[:200]!r}")
+        last = matches[-1]
+        return (last[0] if isinstance(last, tuple) else last).strip()
+
+    def post(self, route: str, payload: dict[str, Any]) -> Any:
+        try:
+            return http_json(self.runtime.url + route, payload)
+        except OSError as exc:
+            self.runtime.check_alive()  # a dead runtime raises RuntimeDiedError naming it
+            raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
+
+
+class LogprobTagScorer(_RuntimePRM):
+    """A PRM read through next-token logprobs of its positive and negative tokens at one place per step."""
+
+    def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
+        super().__init__(config, runtime, tokenizer)
+        self.positive_id = self._token_id(config.positive_token, config.positive_token_id, "positive_token")
+        self.negative_id = self._token_id(config.negative_token, config.negative_token_id, "negative_token")
+        if self.positive_id == self.negative_id:
+            raise ValueError(f"positive and negative tokens are both token id {self.positive_id}")
+
+    def _token_id(self, text: str, explicit: int | None, field: str) -> int:
+        if explicit is not None:
+            return explicit
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) != 1:
+            raise ValueError(f"scorer.{field} {text!r} is {len(ids)} tokens {ids} for this tokenizer; "
+                             f"set scorer.{field}_id to the token id the PRM was trained to predict")
+        return ids[0]
+
+    @abstractmethod
+    def layout(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], bool]:
+        """(PRM input text, one character offset per step, add the tokenizer's special tokens).
+
+        The offset is where the PRM's verdict for the step would be written: the score is read from the
+        next-token distribution of the token that ends exactly there."""
+
+    def readout_positions(self, text: str, offsets: Sequence[int], special: bool) -> tuple[list[int], list[int]]:
+        """Token ids of `text` and, per offset, the index of the (last) token ending exactly at that offset."""
+        encoded = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        ids = list(encoded.input_ids)
+        ending_at = {end: index for index, (start, end) in enumerate(encoded.offset_mapping) if end > start}
+        positions = []
+        for offset in offsets:
+            if offset not in ending_at:
+                raise ValueError(f"scorer '{self.name}': no token boundary at character {offset} of the PRM input "
+                                 f"({text[max(0, offset - 20):offset + 20]!r}); choose a step tag that the "
+                                 "tokenizer keeps apart from the text around it")
+            positions.append(ending_at[offset])
+        return ids, positions
+
+    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
+        question = self.question_of(prompt)
+        requests = []
+        for steps in paths:
+            ids, positions = self.readout_positions(*self.layout(question, steps)) if steps else ([], [])
+            requests.append((ids, positions))
+        todo = [r for r in requests if r[1]]
+        if not todo:
+            return [[] for _ in paths]
+        # Logprob entry j of the input is the distribution at position start + j - 1 (the one predicting
+        # token start + j); the last position's distribution is the first output token's.
+        answers = self.post("/generate", {
+            "input_ids": [ids for ids, _ in todo],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": [positions[0] for _, positions in todo],
+            "token_ids_logprob": [self.positive_id, self.negative_id],
+        })
+        answers = iter(answers if isinstance(answers, list) else [answers])
+        out = []
+        for ids, positions in requests:
+            if not positions:
+                out.append([])
+                continue
+            meta = next(answers)["meta_info"]
+            self._count(len(ids))
+            start = positions[0]
+            scores = []
+            for position in positions:
+                if position + 1 < len(ids):
+                    entry = meta["input_token_ids_logprobs"][position + 1 - start]
+                else:
+                    entry = meta["output_token_ids_logprobs"][0]
+                scores.append(self.verdict(entry))
+            out.append(scores)
+        return out
+
+    def verdict(self, entry: Sequence[Sequence[Any]]) -> float:
+        """P(+) / (P(+) + P(-)) = sigmoid(logprob(+) - logprob(-)) from SGLang's [[logprob, id, text], ...]."""
+        logprob = {int(item[1]): float(item[0]) for item in entry}
+        difference = logprob[self.negative_id] - logprob[self.positive_id]
+        return 1.0 / (1.0 + math.exp(difference)) if difference < 700 else 0.0
+
+
+class MathShepherdScorer(LogprobTagScorer):
+    """Math-Shepherd: `{question} {step 1}{tag}\\n{step 2}{tag}...`, read at the end of every tag."""
+
+    name = "math_shepherd"
+
+    def layout(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], bool]:
+        text, offsets = f"{question} ", []
+        for index, step in enumerate(steps):
+            text += ("\n" if index else "") + step.strip() + self.config.step_tag
+            offsets.append(len(text))
+        return text, offsets, True
+
+
+class RLHFlowScorer(LogprobTagScorer):
+    """RLHFlow: a chat of (user: step, assistant: `+`) turns in the PRM's chat template, read before each `+`."""
+
+    name = "rlhflow"
+
+    def layout(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], bool]:
+        verdict = self.config.positive_token
+        conversation: list[dict[str, str]] = []
+        offsets = []
+        for index, step in enumerate(steps):
+            conversation.append({"role": "user", "content": f"{question} {step.strip()}" if index == 0 else step.strip()})
+            prefix = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            offsets.append(len(prefix))
+            conversation.append({"role": "assistant", "content": verdict})
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
+        for offset in offsets:
+            if not text.startswith(verdict, offset):
+                raise ValueError(f"scorer 'rlhflow': the chat template does not put the assistant turn "
+                                 f"{verdict!r} right after the generation prompt")
+        return text, offsets, False
+
+
+class ClassifierPRMScorer(_RuntimePRM):
+    """P(correct) at the step token after every step, from a `Qwen2ForProcessRewardModel` runtime."""
+
+    name = "classifier"
+
+    def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
+        super().__init__(config, runtime, tokenizer)
+        self.step_token_id = tokenizer.convert_tokens_to_ids(config.step_token)
+        if self.step_token_id is None or self.step_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"scorer.step_token {config.step_token!r} is not a token of the PRM's tokenizer")
+
+    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
+        from sgl_tts.prm_models.client import SYSTEM_PROMPT, batch_classifier_step_rewards, build_prm_text
+
+        question = self.question_of(prompt)
+        step_token = self.config.step_token
+        # A step that spells the step token itself would add a readout: drop it from the step text.
+        texts = [build_prm_text(question, [step.replace(step_token, "") for step in steps],
+                                self.config.system_prompt or SYSTEM_PROMPT, step_token) for steps in paths]
+        try:
+            rewards = batch_classifier_step_rewards(self.runtime.url, texts, self.step_token_id)
+        except OSError as exc:
+            self.runtime.check_alive()
+            raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
+        for steps, text, path_rewards in zip(paths, texts, rewards):
+            self._count(len(self.tokenizer(text, add_special_tokens=False).input_ids))
+            if len(path_rewards) != len(steps):
+                raise ScorerError(f"scorer runtime '{self.runtime.name}' returned {len(path_rewards)} step rewards "
+                                  f"for {len(steps)} steps")
+        return [list(r) for r in rewards]

@@ -1,0 +1,271 @@
+"""The eval harness on the scripted backend: rows against a direct reference, resume, runtime restarts,
+failures, bad input before anything starts, and per-request timing windows."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eval.datasets import DatasetError, Problem
+from eval.experiment import load_experiment, plain
+from eval.report import row_key
+from eval.results import ResultStore, config_hash
+from eval.runner import SCRIPTED_PROMPT, EvalRun, RequestLog, request_windows
+from sgl_tts.config import ConfigError
+from sgl_tts.metrics import problem_metrics
+from sgl_tts.models import ModelNotFoundError
+from sgl_tts.registry import load_program
+from sgl_tts.runtime import RuntimeDiedError
+from sgl_tts.search import Runtimes
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+GOLDS = [0, 1, 2, 3, 1, 2]  # the scripted model answers 0..3, so some problems are solved
+COMPARED = ("answer", "majority_answer", "weighted_answer", "best_answer", "correct", "majority_correct",
+            "weighted_correct", "best_correct", "n_candidates", "generated_tokens", "mean_beam_tokens", "iterations")
+
+
+def write_dataset(tmp_path, golds=GOLDS):
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "question": f"What is toy number {i}?", "answer": g}) + "\n"
+                            for i, g in enumerate(golds)))
+    return path
+
+
+def write_experiment(tmp_path, dataset, **changes):
+    data = {
+        "name": "toy", "backend": "scripted", "scripted": {"delay_s": 0.0},
+        "base": {"search": {"program": "beam_search", "beam_width": 2, "max_steps": 5, "max_tokens": 10000},
+                 "concurrency": 3},
+        "datasets": [{"name": str(dataset)}],
+        "arms": [{"name": "bon", "baseline": True, "overrides": {"search": {"program": "best_of_n", "max_steps": 50}}},
+                 {"name": "beam"}],
+        "n_values": [2, 4],
+    }
+    for key, value in changes.items():
+        data[key] = value
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_experiment(path)
+
+
+def run(experiment, run_dir, messages=None):
+    return EvalRun(experiment, run_dir, progress=False, log=(messages if messages is not None else []).append).run()
+
+
+def reference_rows(experiment, problems):
+    """Each unit solved directly with a fresh scripted model, as the harness does after flushing."""
+    expected = {}
+    options = experiment.config.scripted
+    for unit in experiment.units():
+        runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel(answer_depth=options.answer_depth,
+                                                                    answers=options.answers)),
+                            scorer=ScriptedScorer(), prompt=lambda q: SCRIPTED_PROMPT.format(question=q))
+        program = load_program(unit.config.search.program)
+        for problem in problems:
+            result = program(problem, unit.config.search, runtimes)
+            expected[unit.key + (problem.id,)] = (problem_metrics(result, problem.gold, None, pass_ns=[unit.n]),
+                                                  [c["steps"] for c in result.to_dict()["candidates"]])
+    return expected
+
+
+def toy_problems():
+    return [Problem(id=f"p{i}", question=f"What is toy number {i}?", gold=str(g)) for i, g in enumerate(GOLDS)]
+
+
+def assert_rows_match_reference(rows, experiment):
+    expected = reference_rows(experiment, toy_problems())
+    assert sorted(row_key(r) for r in rows) == sorted(expected), "every (unit, problem) exactly once"
+    for row in rows:
+        metrics, steps = expected[row_key(row)]
+        assert {k: row["metrics"][k] for k in COMPARED} == {k: metrics[k] for k in COMPARED}, row_key(row)
+        assert row["metrics"][f"pass@{row['n']}"] == metrics[f"pass@{row['n']}"]
+        assert [c["steps"] for c in row["result"]["candidates"]] == steps
+
+
+def test_complete_run_matches_direct_reference_and_carries_provenance(tmp_path):
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path))
+    outcome = run(experiment, tmp_path / "run")
+    assert outcome.complete and not outcome.interrupted and outcome.written == 2 * 2 * len(GOLDS)
+    store = ResultStore(tmp_path / "run" / "results.jsonl")
+    rows = store.records()
+    assert_rows_match_reference(rows, experiment)
+    assert any(r["metrics"]["majority_correct"] for r in rows) and not all(r["metrics"]["majority_correct"] for r in rows)
+    (header,) = store.runs()
+    units = {u.key: u for u in experiment.units()}
+    for row in rows:
+        prov = row["provenance"]
+        unit = units[row_key(row)[:5]]
+        assert prov["run_id"] == header["run_id"] and prov["seed"] == unit.seed == 0
+        assert prov["config"] == plain(unit.config) and prov["config_sha256"] == config_hash(plain(unit.config))
+        assert prov["config"]["search"]["n"] == row["n"]
+        assert prov["packages"]["sglang"] and prov["hardware"]["cpu_count"] >= 1
+        assert prov["models"]["generator"]["model"] == "scripted"
+        timing = row["timing"]
+        assert timing["requests"]["requests"] >= 1 and timing["requests"]["server_e2e_s"] is None
+        assert timing["total_s"] == row["result"]["total_time_s"] <= timing["solve_wall_s"]
+    # the saved experiment reads back to the same experiment
+    again = load_experiment(tmp_path / "run" / "experiment.yaml")
+    assert config_hash(again.fingerprint()) == header["experiment_sha256"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    cell = next(c for c in summary["cells"] if c["arm"] == "beam" and c["n"] == 4)
+    flags = [r["metrics"]["majority_correct"] for r in rows if r["arm"] == "beam" and r["n"] == 4]
+    assert cell["stats"]["accuracy.majority_correct"]["median"] == pytest.approx(sum(flags) / len(flags))
+    assert not summary["partial"] and "complete" in outcome.summary
+
+
+def test_resume_solves_only_the_missing_problems_and_keeps_the_others(tmp_path):
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path))
+    run(experiment, tmp_path / "run")
+    path = tmp_path / "run" / "results.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    kept = lines[:-5]  # as if the last five problems were in flight when the process was killed
+    path.write_text("".join(kept) + lines[-5][:40])  # ... and the last write was torn
+    outcome = run(experiment, tmp_path / "run")
+    assert outcome.written == 5 and outcome.complete
+    text = path.read_text()
+    assert text.startswith("".join(kept)), "lines written before the crash are untouched"
+    store = ResultStore(path)
+    assert_rows_match_reference(store.records(), experiment)
+    assert store.skipped_lines == 1 and len(store.runs()) == 2 and store.runs()[1]["resumed"]
+    # a third start has nothing to do
+    assert run(experiment, tmp_path / "run").written == 0
+
+
+def test_a_runtime_that_dies_is_restarted_and_no_problem_is_lost(tmp_path):
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path), scripted={"die_on": ["p3"]})
+    messages = []
+    outcome = run(experiment, tmp_path / "run", messages)
+    assert outcome.complete and outcome.restarts == 1
+    assert any("a runtime died" in m and "restarting" in m for m in messages)
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
+    assert_rows_match_reference(rows, experiment)
+    first_unit = [r for r in rows if row_key(r)[:5] == ("bon", str(tmp_path / "toy.jsonl"), 2, 0, 0)]
+    assert next(r for r in first_unit if r["problem_id"] == "p3")["session"] == 1, "solved after the restart"
+    assert all(r["session"] == 1 for r in rows if r["arm"] == "bon" and r["n"] == 4)
+    assert all(r["session"] == 0 for r in rows if r["arm"] == "beam"), "each arm starts its own runtimes"
+
+
+def test_giving_up_after_max_restarts_keeps_results_and_writes_a_partial_summary(tmp_path):
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path), scripted={"die_on": ["p3", "p4"]},
+                                  max_restarts=1, base={"concurrency": 1, "search": {"program": "best_of_n"}})
+    with pytest.raises(RuntimeDiedError, match=r"max_restarts 1.*--resume"):
+        run(experiment, tmp_path / "run")
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
+    assert sorted(r["problem_id"] for r in rows) == ["p0", "p1", "p2", "p3"], "p3 after one restart, then p4 died"
+    assert "PARTIAL" in (tmp_path / "run" / "summary.md").read_text()
+
+
+def test_a_failing_search_gets_a_failed_line_and_is_retried_on_resume(tmp_path):
+    program = tmp_path / "flaky.py"
+    program.write_text(
+        "from programs import best_of_n\n"
+        "def run(problem, config, runtimes):\n"
+        "    if problem.id == 'p2':\n"
+        "        raise ValueError('cannot solve p2')\n"
+        "    return best_of_n.run(problem, config, runtimes)\n")
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path), n_values=[2],
+                                  arms=[{"name": "flaky", "overrides": {"search": {"program": str(program)}}}])
+    outcome = run(experiment, tmp_path / "run")
+    assert outcome.failed == 1 and outcome.written == len(GOLDS) - 1 and not outcome.complete
+    store = ResultStore(tmp_path / "run" / "results.jsonl")
+    (failed,) = [r for r in store.records() if r["failed"]]
+    assert failed["problem_id"] == "p2" and failed["error"] == "ValueError: cannot solve p2"
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "PARTIAL" in summary and "`p2`: ValueError: cannot solve p2" in summary
+    again = run(experiment, tmp_path / "run")
+    assert again.failed == 1 and again.written == 0, "only the failed problem is tried again"
+    report = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [f["problem_id"] for f in report["failed"]] == ["p2"], "a problem counts once however often it failed"
+
+
+def test_bad_input_is_reported_before_anything_starts(tmp_path):
+    dataset = write_dataset(tmp_path)
+    unknown_dataset = write_experiment(tmp_path, dataset, datasets=[{"name": "gsm9k"}])
+    with pytest.raises(DatasetError, match=r"unknown dataset 'gsm9k'; choices: aime24, amc23, gsm8k"):
+        run(unknown_dataset, tmp_path / "run")
+    unknown_program = write_experiment(tmp_path, dataset, backend="sglang",
+                                       arms=[{"name": "x", "overrides": {"search": {"program": "beem_search"}}}])
+    with pytest.raises(ConfigError, match=r"arms\[0\] \('x'\): unknown program 'beem_search'; known programs: .*"
+                                          r"beam_search"):
+        run(unknown_program, tmp_path / "run")
+    unknown_model = write_experiment(tmp_path, dataset, backend="sglang", base={"generator": {"model": "no-such-model"}})
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        run(unknown_model, tmp_path / "run")
+    bad_field = write_experiment(tmp_path, dataset, datasets=[{"name": str(dataset), "question_field": "prompt"}])
+    with pytest.raises(DatasetError, match=r"toy\.jsonl:1: question field 'prompt' not found"):
+        run(bad_field, tmp_path / "run")
+    assert not (tmp_path / "run" / "results.jsonl").exists(), "nothing was started or written"
+
+
+def test_malformed_dataset_line_fails_with_file_and_line_or_is_skipped_when_configured(tmp_path):
+    dataset = write_dataset(tmp_path)
+    with open(dataset, "a") as file:
+        file.write('{"id": "p9", "question": "broken\n')
+    strict = write_experiment(tmp_path, dataset)
+    with pytest.raises(DatasetError, match=rf"{dataset}:{len(GOLDS) + 1}: malformed line"):
+        run(strict, tmp_path / "run")
+    lenient = write_experiment(tmp_path, dataset, n_values=[2],
+                               datasets=[{"name": str(dataset), "skip_malformed": True}])
+    messages = []
+    outcome = run(lenient, tmp_path / "run", messages)
+    assert outcome.complete and outcome.written == 2 * len(GOLDS)
+    assert any("skipped 1 malformed line" in m for m in messages)
+
+
+def test_a_folder_holding_another_experiment_is_refused(tmp_path):
+    dataset = write_dataset(tmp_path)
+    run(write_experiment(tmp_path, dataset, n_values=[2]), tmp_path / "run")
+    with pytest.raises(ConfigError, match="different experiment"):
+        run(write_experiment(tmp_path, dataset, n_values=[2, 4]), tmp_path / "run")
+
+
+class FakeBackend:
+    def __init__(self, meta):
+        self.meta = meta
+
+    def generate(self, s, sampling_params):
+        return "out", dict(self.meta)
+
+
+class FakeState:
+    def __init__(self, text):
+        self.text_ = text
+
+
+def test_request_log_attributes_requests_by_longest_prompt_and_computes_windows():
+    meta = {"completion_tokens": 7, "e2e_latency": 1.0, "first_token_latency": 0.4, "queue_time": 0.1}
+    backend = FakeBackend(meta)
+    log = RequestLog()
+    log.instrument(backend)
+    short = log.begin("Q: one")
+    long = log.begin("Q: one two")
+    backend.generate(FakeState("Q: one two\n\nstep"), None)
+    backend.generate(FakeState("Q: one\n\nstep"), None)
+    backend.generate(FakeState("Q: one\n\nmore"), None)
+    backend.generate(FakeState("unrelated"), None)
+    assert len(log.end(long)) == 1 and len(log.end(short)) == 2
+    windows = request_windows([{"backend": "generator", "client_s": 0.5, **{
+        "completion_tokens": 7, "e2e_latency": 1.0, "first_token_latency": 0.4, "queue_time": 0.1}}] * 3)
+    assert windows["requests"] == 3
+    assert windows["server_e2e_s"]["p50"] == 1.0 and windows["first_token_s"]["mean"] == 0.4
+    assert windows["prompt_processing_s"]["mean"] == pytest.approx(0.3)
+    assert windows["decode_s_per_token"]["mean"] == pytest.approx(0.6 / 6)
+    bare = request_windows([{"backend": "generator", "client_s": 0.2, "completion_tokens": 3,
+                             "e2e_latency": None, "first_token_latency": None, "queue_time": None}])
+    assert bare["client_s"]["max"] == 0.2 and bare["server_e2e_s"] is None and bare["decode_s_per_token"] is None
+
+
+def test_request_log_is_thread_safe_under_concurrent_requests():
+    backend = FakeBackend({"completion_tokens": 1})
+    log = RequestLog()
+    log.instrument(backend)
+    tickets = {i: log.begin(f"P{i}:") for i in range(8)}
+    threads = [threading.Thread(target=lambda i=i: [backend.generate(FakeState(f"P{i}: x"), None) for _ in range(50)])
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {i: len(log.end(t)) for i, t in tickets.items()} == {i: 50 for i in range(8)}

@@ -1,0 +1,483 @@
+"""RSD (programs/rsd.py) on the scripted backend against a brute-force replay of Algorithm 1, its statistics,
+the delta sweep, the session's target runtime, and bad input; one run on the real CPU runtime."""
+
+import dataclasses
+import json
+import math
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from eval.datasets import Problem
+from sgl_tts.config import ConfigError, load_yaml
+from sgl_tts.registry import load_program
+from sgl_tts.rsd_math import RSDConfig, StepRecord
+from sgl_tts.rsd_sweep import format_table, parse_deltas, run_statistics, run_sweep, step_records, write_outputs
+from sgl_tts.scoring import StepScorer
+from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.session import RunConfig
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+DRAFT_MODEL = ScriptedModel(answer_depth=2, answer_chance=0.3, eos_chance=0.1, answers=4)
+TARGET_MODEL = ScriptedModel(answer_depth=1, answer_chance=0.6, eos_chance=0.0, answers=7)
+PROBLEMS = [Problem(id=f"p{i}", question=f"question number {i}?", gold=str(i % 4)) for i in range(6)]
+# Long budgets: steps are never cut, so the reference need not model truncation.
+SEARCH = SearchConfig(program="rsd", max_step_tokens=1000, max_tokens=100_000)
+PARAMS = {"draft": 135, "target": 1700, "prm": 70}
+rsd = load_program("rsd")
+
+
+def draft_prompt(question):
+    return f"Draft format. Q: {question}\n\n"
+
+
+def target_prompt(question):
+    return f"<target format> {question} </target>\n"
+
+
+def make_runtimes(settings, scorer=None, cache=None):
+    draft, target = ScriptedBackend(DRAFT_MODEL), ScriptedBackend(TARGET_MODEL)
+    extras = {"rsd": settings, "target_prompt": target_prompt, "params": PARAMS}
+    if cache is not None:
+        extras["rsd_cache"] = cache
+    runtimes = Runtimes(generator=draft, scorer=scorer or ScriptedScorer(), prompt=draft_prompt, target=target,
+                        extras=extras)
+    return runtimes, draft, target
+
+
+def scripted_step(model, text):
+    """What a scripted backend returns for the first request with `text`, stopping at the delimiter."""
+    step, ending = model.step(text, 0)
+    return (step if ending == "eos" else step + model.delimiter), ending, len(step.split(" "))
+
+
+def reference_rsd(problem, settings, score_fn):
+    """Algorithm 1 replayed directly on the scripted models: (steps, writers, scores, draft proposals)."""
+    rng = random.Random(f"{settings.seed}/{problem.id}")
+    steps, writers, scores, proposals = [], [], [], []
+    while True:
+        context = "".join(steps)
+        proposal, ending, _ = scripted_step(DRAFT_MODEL, draft_prompt(problem.question) + context)
+        reward = score_fn(draft_prompt(problem.question), steps + [proposal])
+        weight = settings.weight(reward)
+        accepted = weight == 1.0 or (weight > 0.0 and rng.random() < weight)  # Algorithm 2
+        if not accepted:
+            kept, ending, _ = scripted_step(TARGET_MODEL, target_prompt(problem.question) + context)
+        else:
+            kept = proposal
+        steps.append(kept)
+        writers.append("draft" if accepted else "target")
+        scores.append(reward)
+        proposals.append(proposal)
+        if "\\boxed" in kept or ending == "eos" or len(steps) >= settings.max_steps:
+            return steps, writers, scores, proposals
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.3, 0.5, 0.7, 0.9, 1.0])
+def test_rsd_matches_brute_force_replay(delta):
+    settings = RSDConfig(delta=delta, max_steps=6)
+    for problem in PROBLEMS:
+        runtimes, _, _ = make_runtimes(settings)
+        result = rsd(problem, SEARCH, runtimes)
+        steps, writers, scores, _ = reference_rsd(problem, settings, ScriptedScorer().step_score)
+        (candidate,) = result.candidates
+        assert candidate.steps == steps
+        assert [s["writer"] for s in result.extra["rsd"]["steps"]] == writers
+        assert candidate.step_scores == pytest.approx(scores)
+        assert result.answer == candidate.answer
+        assert result.extra["rsd"]["target_is_draft_model"] is False
+
+
+def test_every_step_below_delta_is_the_targets_step_for_the_same_context():
+    settings = RSDConfig(delta=0.6, max_steps=8)
+    rejected = 0
+    for problem in PROBLEMS:
+        runtimes, draft, target = make_runtimes(settings)
+        result = rsd(problem, SEARCH, runtimes)
+        steps = result.candidates[0].steps
+        records = step_records(result)
+        target_contexts = [request["text"] for request in target.requests]
+        assert [request["text"] for request in draft.requests] == [
+            draft_prompt(problem.question) + "".join(steps[:i]) for i in range(len(steps))], "one proposal per step"
+        for i, record in enumerate(records):
+            context = "".join(steps[:i])
+            if record.score < settings.delta:
+                rejected += 1
+                assert record.writer == "target" and not record.accepted
+                assert target_prompt(problem.question) + context in target_contexts
+                assert steps[i] == scripted_step(TARGET_MODEL, target_prompt(problem.question) + context)[0]
+            else:
+                assert record.writer == "draft"
+                assert steps[i] == scripted_step(DRAFT_MODEL, draft_prompt(problem.question) + context)[0]
+        assert len(target_contexts) == sum(r.writer == "target" for r in records), "target only on rejection"
+    assert rejected >= 3, "the test must see rejections"
+
+
+def test_delta_zero_is_all_draft_and_delta_one_all_target():
+    for delta, writer in ((0.0, "draft"), (1.0, "target")):
+        results = []
+        for problem in PROBLEMS:
+            runtimes, _, target = make_runtimes(RSDConfig(delta=delta, max_steps=6))
+            results.append(rsd(problem, SEARCH, runtimes))
+            assert (len(target.requests) == 0) == (writer == "draft")
+        assert {r.writer for res in results for r in step_records(res)} == {writer}
+        stats = run_statistics(results)
+        assert stats["draft_only_fraction"] == (1.0 if writer == "draft" else 0.0)
+        assert stats["target_invocation_rate"] == (0.0 if writer == "draft" else 1.0)
+
+
+class FixedScorer(StepScorer):
+    """Every step scores `value`; counts one token per character of the path."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def score(self, prompt, paths):
+        for steps in paths:
+            self._count(sum(len(s) for s in steps))
+        return [[self.value] * len(steps) for steps in paths]
+
+
+@pytest.mark.parametrize("settings,score,writer", [
+    (RSDConfig(delta=0.7), 0.7, "draft"),  # binary: r >= delta is accepted, the boundary included
+    (RSDConfig(delta=0.7), math.nextafter(0.7, 0.0), "target"),
+    (RSDConfig(delta=0.0), 0.0, "draft"),
+    (RSDConfig(delta=1.0), 1.0, "draft"),
+    (RSDConfig(delta=1.0), math.nextafter(1.0, 0.0), "target"),
+    (RSDConfig(weighting="constant", constant=0.0), 1.0, "target"),  # omega = 0 rejects whatever the score
+    (RSDConfig(weighting="constant", constant=1.0), 0.0, "draft"),
+    (RSDConfig(weighting="clipping"), 1.0, "draft"),
+    (RSDConfig(weighting="clipping"), 0.0, "target"),
+    (RSDConfig(weighting="sigmoidal"), 0.0, "target"),
+])
+def test_weighting_boundaries_through_the_program(settings, score, writer):
+    settings = dataclasses.replace(settings, max_steps=5)
+    runtimes, _, _ = make_runtimes(settings, scorer=FixedScorer(score))
+    records = step_records(rsd(PROBLEMS[0], SEARCH, runtimes))
+    assert {r.writer for r in records} == {writer}
+
+
+@pytest.mark.parametrize("settings", [RSDConfig(weighting="constant", constant=0.5, seed=3),
+                                      RSDConfig(weighting="logistic", delta=0.5, logistic_alpha=4.0, seed=1),
+                                      RSDConfig(weighting="sigmoidal", seed=2)])
+def test_stochastic_weightings_draw_from_the_problem_seed(settings):
+    settings = dataclasses.replace(settings, max_steps=8)
+    writers = []
+    for problem in PROBLEMS:
+        runtimes, _, _ = make_runtimes(settings)
+        result = rsd(problem, SEARCH, runtimes)
+        expected = reference_rsd(problem, settings, ScriptedScorer().step_score)
+        assert result.candidates[0].steps == expected[0]
+        writers += [r.writer for r in step_records(result)]
+    assert {"draft", "target"} <= set(writers), "both outcomes occur"
+
+
+def test_token_and_time_accounting_includes_rejected_draft_tokens():
+    settings = RSDConfig(delta=0.5, max_steps=8)
+    problems = PROBLEMS[:4]
+    results = []
+    for problem in problems:
+        runtimes, _, _ = make_runtimes(settings)
+        result = rsd(problem, SEARCH, runtimes)
+        results.append(result)
+        _, writers, _, proposals = reference_rsd(problem, settings, ScriptedScorer().step_score)
+        records = step_records(result)
+        kept = result.candidates[0].steps
+        assert [r.draft_tokens for r in records] == [len(p.rstrip("\n").split(" ")) for p in proposals]
+        assert [r.target_tokens for r in records] == [
+            len(s.rstrip("\n").split(" ")) if w == "target" else 0 for s, w in zip(kept, writers)]
+        # The scripted scorer reads the characters of the path up to the proposal.
+        assert [r.prm_tokens for r in records] == [
+            sum(map(len, kept[:i])) + len(proposals[i]) for i in range(len(records))]
+        assert result.generated_tokens == sum(r.draft_tokens + r.target_tokens for r in records)
+        assert result.candidates[0].tokens == sum(
+            r.draft_tokens if r.accepted else r.target_tokens for r in records)
+        assert all(r.draft_time_s > 0 and r.prm_time_s > 0 for r in records)
+        assert all((r.target_time_s > 0) == (not r.accepted) for r in records)
+        stats = result.extra["rsd"]["stats"]
+        assert stats["solved_by_draft_alone"] == all(w == "draft" for w in writers)
+        assert stats["rejected_draft_tokens"] == sum(r.draft_tokens for r in records if not r.accepted)
+    stats = run_statistics(results)
+    alone = [all(r.accepted for r in step_records(res)) for res in results]
+    assert stats["draft_only_fraction"] == sum(alone) / len(alone)
+    assert 0 < sum(alone) < len(alone), "the test needs both kinds of problems"
+    steps = [r for res in results for r in step_records(res)]
+    assert stats["target_invocation_rate"] == sum(not r.accepted for r in steps) / len(steps)
+    assert stats["steps"] == len(steps) and stats["problems"] == len(problems)
+
+
+def test_flops_follow_two_n_per_token():
+    settings = RSDConfig(delta=0.5, max_steps=6)
+    results = [rsd(p, SEARCH, make_runtimes(settings)[0]) for p in PROBLEMS]
+    for result in results:
+        tokens = {"draft": 0, "target": 0, "prm": 0}
+        for step in result.extra["rsd"]["steps"]:
+            for model in tokens:
+                tokens[model] += step[f"{model}_tokens"]
+        stats = result.extra["rsd"]["stats"]
+        assert stats["flops"] == {m: 2 * PARAMS[m] * tokens[m] for m in tokens}
+        assert stats["total_flops"] == sum(2 * PARAMS[m] * tokens[m] for m in tokens)
+    run = run_statistics(results)
+    assert run["total_flops"] == sum(r.extra["rsd"]["stats"]["total_flops"] for r in results)
+    assert run["flops_per_problem"] == pytest.approx(run["total_flops"] / len(results))
+    json.dumps([r.to_dict() for r in results])  # records are plain data
+
+
+def test_flops_are_unknown_without_parameter_counts():
+    runtimes, _, _ = make_runtimes(RSDConfig(delta=0.5, max_steps=3))
+    del runtimes.extras["params"]  # scripted backends have no model config to count from
+    result = rsd(PROBLEMS[0], SEARCH, runtimes)
+    assert result.extra["rsd"]["params"] == {"draft": None, "target": None, "prm": None}
+    assert result.extra["rsd"]["stats"]["total_flops"] is None
+    assert run_statistics([result])["flops_per_problem"] is None
+
+
+class SlowScorer(ScriptedScorer):
+    """Takes a while after counting, so that concurrent problems' counts interleave."""
+
+    def score(self, prompt, paths):
+        scores = super().score(prompt, paths)
+        time.sleep(0.005)
+        return scores
+
+
+def test_prm_tokens_are_per_problem_when_problems_run_concurrently():
+    settings = RSDConfig(delta=0.5, max_steps=8)
+    scorer = SlowScorer()
+    runtimes, _, _ = make_runtimes(settings, scorer=scorer)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda p: rsd(p, SEARCH, runtimes), PROBLEMS))
+    for problem, result in zip(PROBLEMS, results):
+        alone = rsd(problem, SEARCH, make_runtimes(settings)[0])
+        assert [r.prm_tokens for r in step_records(result)] == [r.prm_tokens for r in step_records(alone)]
+
+
+def test_step_limit_and_token_budget_end_the_solution():
+    runtimes, _, _ = make_runtimes(RSDConfig(delta=0.5, max_steps=3))
+    endless = ScriptedModel(answer_depth=100)
+    runtimes.generator, runtimes.target = ScriptedBackend(endless), ScriptedBackend(endless)
+    result = rsd(PROBLEMS[0], SEARCH, runtimes)
+    assert len(result.candidates[0].steps) == 3 and result.candidates[0].finish_reason == "max_steps"
+    runtimes.generator, runtimes.target = ScriptedBackend(endless), ScriptedBackend(endless)
+    budget = SearchConfig(program="rsd", max_step_tokens=3, max_tokens=7)
+    result = rsd(PROBLEMS[0], budget, runtimes)
+    candidate = result.candidates[0]
+    assert candidate.tokens <= 7 and candidate.finish_reason in ("max_tokens", "max_steps")
+    assert all(r.draft_tokens <= 3 for r in step_records(result))
+
+
+def test_run_report_prints_rsd_statistics_and_the_same_model_note(capsys):
+    from sgl_tts.report import print_run
+
+    settings = RSDConfig(delta=0.5, max_steps=6)
+    runtimes, draft, _ = make_runtimes(settings)
+    runtimes.target = draft  # one model as draft and target, as on the CPU default
+    results = [(p, rsd(p, SEARCH, runtimes)) for p in PROBLEMS[:3]]
+    assert print_run(results, None) == 0
+    out = capsys.readouterr().out
+    stats = run_statistics([r for _, r in results])
+    assert f"solved by draft alone {stats['draft_only_fraction']:.0%}" in out
+    assert f"target invocation rate {stats['target_invocation_rate']:.0%}" in out
+    assert f"rejected {stats['rejected_draft_tokens']})" in out and "FLOPs (2N per token)" in out
+    assert "the target is the draft model itself" in out
+
+
+# --- the sweep ---------------------------------------------------------------------------------------------
+
+
+def untimed(result):
+    return [{k: v for k, v in step.items() if not k.endswith("time_s")} for step in result.extra["rsd"]["steps"]]
+
+
+def test_cached_sweep_equals_independent_reruns():
+    settings = RSDConfig(delta=0.7, max_steps=6)
+    deltas = [0.0, 0.3, 0.6, 0.9, 1.0]
+    runtimes, _, _ = make_runtimes(settings)
+    rows, results = run_sweep(PROBLEMS, deltas, runtimes, SEARCH, settings, concurrency=3)
+    assert [row.delta for row in rows] == deltas
+    assert sum(row.cache_hits for row in rows) > 0, "deltas share work"
+    for row in rows:
+        fresh = [rsd(p, SEARCH, make_runtimes(RSDConfig(delta=row.delta, max_steps=6))[0]) for p in PROBLEMS]
+        swept = results[row.delta]
+        assert [r.candidates[0].steps for r in swept] == [r.candidates[0].steps for r in fresh]
+        assert [untimed(r) for r in swept] == [untimed(r) for r in fresh], "same records but measured seconds"
+        accuracy = sum(r.answer == p.gold for p, r in zip(PROBLEMS, fresh)) / len(PROBLEMS)
+        assert row.accuracy == pytest.approx(accuracy)
+        stats = run_statistics(fresh)
+        assert row.draft_only_fraction == stats["draft_only_fraction"]
+        assert row.flops_per_problem == stats["flops_per_problem"]
+    assert rows[0].draft_only_fraction == 1.0 and rows[-1].target_invocation_rate == 1.0
+
+
+def test_sweep_breaks_down_by_level_and_writes_table_and_plots(tmp_path):
+    problems = [Problem(id=p.id, question=p.question, gold=p.gold, meta={"level": 1 + i % 3})
+                for i, p in enumerate(PROBLEMS)]
+    settings = RSDConfig(delta=0.7, max_steps=5)
+    rows, results = run_sweep(problems, [0.0, 0.5, 1.0], make_runtimes(settings)[0], SEARCH, settings)
+    for row in rows:
+        assert sorted(row.by_level) == ["1", "2", "3"]
+        assert sum(level["problems"] for level in row.by_level.values()) == len(problems)
+        weighted = sum(level["accuracy"] * level["problems"] for level in row.by_level.values()) / len(problems)
+        assert weighted == pytest.approx(row.accuracy)
+    table = format_table(rows)
+    assert table.splitlines()[0].startswith("| delta | accuracy | draft only")
+    assert "level 3" in table and len([line for line in table.splitlines() if line.startswith("| 0.50")]) == 2
+    written = write_outputs(rows, results, tmp_path, "test sweep")
+    for name in ("sweep.png", "sweep_levels.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert json.loads((tmp_path / "sweep.json").read_text())[1]["delta"] == 0.5
+    assert len((tmp_path / "results-delta-1.00.jsonl").read_text().splitlines()) == len(problems)
+    assert tmp_path / "sweep.csv" in written
+
+
+def test_sweep_rejects_weightings_that_ignore_delta():
+    settings = RSDConfig(weighting="constant")
+    with pytest.raises(ValueError, match="ignores"):
+        run_sweep(PROBLEMS, [0.5], make_runtimes(settings)[0], SEARCH, settings)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+
+def write_config(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("body,message", [
+    ("target: generator\nrsd: {delta: 1.5}", r"rsd: delta must be in \[0, 1\], got 1.5"),
+    ("target: generator\nrsd: {delta: -0.1}", r"rsd: delta must be in \[0, 1\]"),
+    ("target: generator\nrsd: {weighting: step}", "rsd: weighting must be one of binary.*got 'step'"),
+    ("scorer: {kind: likelihood}", "'rsd' needs 'target'"),
+    ("target: draft", "'target' must be a mapping"),
+    ("target: generator\nrsd: {omega: binary}", "unknown key 'rsd.omega'"),
+    ("target: generator\nsearch: {program: rsd, temperature: 0.5}", "set 'rsd.temperature' instead"),
+])
+def test_bad_rsd_config_names_the_setting(tmp_path, body, message):
+    text = body if "search:" in body else "search: {program: rsd}\n" + body
+    with pytest.raises(ConfigError, match=message) as info:
+        load_yaml(RunConfig, write_config(tmp_path, text))
+    assert "run.yaml" in str(info.value)
+
+
+def test_program_without_target_or_scorer_is_a_clear_error():
+    runtimes, _, _ = make_runtimes(RSDConfig())
+    runtimes.target = None
+    with pytest.raises(ValueError, match="target"):
+        rsd(PROBLEMS[0], SEARCH, runtimes)
+    runtimes, _, _ = make_runtimes(RSDConfig())
+    runtimes.scorer = None
+    with pytest.raises(ValueError, match="scorer"):
+        rsd(PROBLEMS[0], SEARCH, runtimes)
+
+
+def test_cli_errors_name_the_setting(tmp_path, capsys):
+    from sgl_tts.cli import main
+
+    assert parse_deltas("0.9,0,0.5,0.5") == [0.0, 0.5, 0.9]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rsd-sweep", "--deltas", "0.5,1.2"])
+    assert exit_info.value.code == 2 and "--deltas" in capsys.readouterr().err
+    assert main(["run", "--config", "configs/cpu-default.yaml", "--program", "rsd"]) == 2
+    assert "needs 'target'" in capsys.readouterr().err
+    beam = write_config(tmp_path, "search: {program: beam_search}\ntarget: generator\n")
+    assert main(["rsd-sweep", "--config", str(beam)]) == 2
+    assert "search.program: rsd" in capsys.readouterr().err
+
+
+def test_rsd_cpu_config_loads():
+    config = load_yaml(RunConfig, "configs/rsd-cpu.yaml")
+    assert config.search.program == "rsd" and config.target == "generator"
+    assert config.generator.model == "smollm2-135m" and config.rsd.weighting == "binary"
+
+
+# --- the session's target runtime (runtimes faked: no server starts) ----------------------------------------
+
+
+class FakeRuntime:
+    started = []
+
+    def __init__(self, config, name):
+        from sgl_tts.models import resolve_model
+
+        self.config, self.name = config, name
+        self.model_path = resolve_model(config.model)
+        self.url = f"http://127.0.0.1/{name}"
+
+    @classmethod
+    def start(cls, config, name, log_dir=None, wait=True):
+        cls.started.append((name, config))
+        return cls(config, name)
+
+    def wait_ready(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+class FakeEndpoint:
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+
+@pytest.mark.parametrize("target", ["own runtime", "generator"])
+def test_session_starts_the_target_with_its_own_budget(monkeypatch, target):
+    import sgl_tts.session as session_module
+    from sgl_tts.runtime import RuntimeConfig
+
+    monkeypatch.setattr(session_module, "Runtime", FakeRuntime)
+    monkeypatch.setattr("sgl_tts.backend.TTSEndpoint", FakeEndpoint)  # RuntimeEndpoint would call the server
+    FakeRuntime.started = []
+    target_config = RuntimeConfig(model="tiny-random", max_total_tokens=2048)
+    config = RunConfig(generator=RuntimeConfig(model="tiny-random", max_total_tokens=4096),
+                       target=target_config if target == "own runtime" else "generator",
+                       search=SearchConfig(program="rsd"), rsd=RSDConfig(delta=0.4))
+    with session_module.Session(config) as session:
+        runtimes = session.search_runtimes
+        names = [name for name, _ in FakeRuntime.started]
+        if target == "own runtime":
+            assert names == ["generator", "target"]
+            assert dict(FakeRuntime.started)["target"].max_total_tokens == 2048
+            assert runtimes.target.runtime is session.runtimes["target"]
+        else:
+            assert names == ["generator"]
+            assert runtimes.target.runtime is session.runtimes["generator"]
+        assert runtimes.extras["rsd"].delta == 0.4
+        assert runtimes.extras["target_prompt"]("2+2?") == runtimes.prompt("2+2?"), "same tokenizer, same format"
+        from programs.rsd import target_is_draft_model
+
+        assert target_is_draft_model(runtimes)
+
+
+# --- the real CPU runtime ----------------------------------------------------------------------------------
+
+
+@pytest.mark.runtime
+def test_rsd_on_the_cpu_runtime(tiny_search_runtimes, tiny_runtime):
+    from sgl_tts.roofline import load_model_spec
+
+    runtimes = Runtimes(generator=tiny_search_runtimes.generator, scorer=tiny_search_runtimes.scorer,
+                        prompt=tiny_search_runtimes.prompt, target=tiny_search_runtimes.generator,
+                        extras={"rsd": RSDConfig(delta=0.5, max_steps=3)})
+    search = SearchConfig(program="rsd", max_step_tokens=8, max_tokens=24)
+    result = rsd(Problem(id="apples", question="Tom has 3 apples and buys 4 more. How many?", gold="7"),
+                 search, runtimes)
+    info = result.extra["rsd"]
+    records = [StepRecord(**s) for s in info["steps"]]
+    assert 1 <= len(records) <= 3 and len(result.candidates[0].steps) == len(records)
+    assert info["target_is_draft_model"] is True
+    assert all(0.0 <= r.score <= 1.0 and r.draft_tokens >= 1 and r.prm_tokens > r.draft_tokens for r in records)
+    assert all(r.accepted == (r.score >= 0.5) for r in records)
+    assert all((r.target_tokens >= 1) == (not r.accepted) for r in records)
+    assert result.generated_tokens == sum(r.draft_tokens + r.target_tokens for r in records)
+    assert result.candidates[0].tokens <= 24
+    n = int(load_model_spec(tiny_runtime.model_path).matmul_params)
+    assert info["params"] == {"draft": n, "target": n, "prm": n}
+    tokens = sum(r.draft_tokens + r.target_tokens + r.prm_tokens for r in records)
+    assert info["stats"]["total_flops"] == 2 * n * tokens
