@@ -39,7 +39,7 @@ class DatasetSelection:
     """A dataset and the slice of it to run (arguments of `eval.datasets.load_problems`)."""
 
     name: str  # aime24, amc23, math500, gsm8k, humaneval, builtin, a .jsonl path, or a hub name
-    label: str | None = None  # how reports name it; default: `name`
+    label: str | None = None  # how reports and result lines name it; default: see `key`
     limit: int | None = None
     offset: int = 0
     ids: list[str | int] | None = None
@@ -56,7 +56,12 @@ class DatasetSelection:
 
     @property
     def key(self) -> str:
-        return self.label or self.name
+        """The label, else the name; a file's name without folder and extension (`data/toy.jsonl` -> `toy`)."""
+        if self.label:
+            return self.label
+        if self.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+            return Path(self.name).name.split(".")[0]
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class ExperimentConfig:
     scripted: ScriptedOptions = field(default_factory=ScriptedOptions)
     max_restarts: int = 2  # per arm: how often a runtime that died is restarted before the run gives up
     flush_cache: bool = True  # empty the radix cache between units, so no cell reuses another's prefixes
+    reuse_runtimes: bool = True  # an arm whose runtime settings equal the previous arm's keeps its runtimes
 
     def __post_init__(self) -> None:
         if not self.arms:

@@ -69,8 +69,9 @@ def unit_aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     A request window's unit-level figures summarise the per-problem means (p50 = median problem)."""
     result = aggregate([r["metrics"] for r in rows])
     result["tokens_per_problem"] = result["generated_tokens"] / len(rows) if rows else None
+    starts = {r["timing"]["runtime_start_s"] for r in rows if not r["timing"].get("runtimes_reused")}
     timing: dict[str, Any] = {
-        "runtime_start_s": statistics.median({r["timing"]["runtime_start_s"] for r in rows}),
+        "runtime_start_s": statistics.median(starts) if starts else None,  # None: runtimes kept from an arm before
         "solve_wall_s": summarize(r["timing"]["solve_wall_s"] for r in rows),
         "requests_per_problem": statistics.fmean(r["timing"]["requests"]["requests"] for r in rows),
     }

@@ -15,9 +15,14 @@ problem that failed because a runtime died (`Runtime.alive()` false; `TTSEndpoin
 again, and the problem is solved again, up to `max_restarts` times per arm. Ctrl-C stops the runtimes,
 keeps every written line, and writes a partial summary.
 
+Runtimes: each arm gets a `Session`. With `reuse_runtimes` (default) an arm whose runtime settings equal the
+previous arm's keeps those runtimes (`Session(reuse=...)`), and every unit starts with flushed radix caches
+(`flush_cache`), so no cell reuses another's prefixes.
+
 Timing windows, each kept apart (edge-inference evaluation §VI):
   runtime_start_s      Session start: launching the servers until each answered a first request
-                       (model load, server init, warm-up); once per runtime start, restarts included.
+                       (model load, server init, warm-up); once per runtime start, restarts included;
+                       `runtimes_reused` names the runtimes kept from the previous arm instead.
   total_s              the program's whole search of one problem (SearchResult.total_time_s), split into
   generator_s, verifier_s   the program's generator and verifier time (SearchTracker).
   solve_wall_s         the harness's wall clock around the program call.
@@ -202,12 +207,15 @@ def _precision(runtime: Any) -> str:
 class SessionSolver:
     """An arm's SGLang runtimes (`sgl_tts.session.Session`)."""
 
-    def __init__(self, config: RunConfig, log_dir: Path):
+    def __init__(self, config: RunConfig, log_dir: Path, reuse: dict[str, Any] | None = None):
         from sgl_tts.session import Session
 
         self.config = config
-        self.session = Session(dataclasses.replace(config, log_dir=config.log_dir or str(log_dir)))
+        config = dataclasses.replace(config, log_dir=config.log_dir or str(log_dir))
+        offered = {id(runtime) for runtime in (reuse or {}).values()}
+        self.session = Session(config, reuse=reuse) if reuse else Session(config)
         self.startup_s = self.session.started_s
+        self.reused = sorted(name for name, rt in self.session.runtimes.items() if id(rt) in offered)
         self.requests = RequestLog()
         runtimes = self.session.search_runtimes
         self.requests.instrument(runtimes.generator)
@@ -246,6 +254,10 @@ class SessionSolver:
         models["scorer_kind"] = self.config.scorer.kind
         return models
 
+    def detach(self) -> dict[str, Any]:
+        """Hand the running runtimes over for the next arm (Session reuse) instead of stopping them."""
+        return self.session.detach()
+
     def close(self) -> None:
         self.session.close()
 
@@ -272,13 +284,14 @@ class ScriptedSolver:
         self.dead = False
         self._died, self._lock = died, lock
         self.startup_s = time.monotonic() - began
+        self.reused: list[str] = []
 
     def prompts(self, question: str) -> tuple[str, ...]:
         return (self.runtimes.prompt(question),)
 
     def solve(self, problem: Problem, search: Any) -> SearchResult:
         with self._lock:
-            if problem.id in self.options.die_on and problem.id not in self._died:
+            if not self.dead and problem.id in self.options.die_on and problem.id not in self._died:
                 self._died.add(problem.id)
                 self.dead = True
             if self.dead:
@@ -301,6 +314,9 @@ class ScriptedSolver:
     def describe(self) -> dict[str, Any]:
         return {"generator": {"model": "scripted", "revision": None, "precision": None},
                 "scorer_kind": "scripted", "options": dataclasses.asdict(self.options)}
+
+    def detach(self) -> dict[str, Any]:
+        return {}
 
     def close(self) -> None:
         pass
@@ -325,6 +341,9 @@ class ArmRuntimes:
         self.solver.close()
         self.restarts += 1
         self.solver = self.start()
+
+    def detach(self) -> dict[str, Any]:
+        return self.solver.detach()
 
     def close(self) -> None:
         self.solver.close()
@@ -362,6 +381,7 @@ class EvalRun:
         self.fingerprint_sha = config_hash(experiment.fingerprint())  # the folder holds this experiment only
         self._died: set[str] = set()  # scripted die_on ids already used
         self._died_lock = threading.Lock()
+        self._spare: dict[str, Any] = {}  # the previous arm's runtimes, offered to the next (reuse_runtimes)
 
     def log(self, message: str) -> None:
         if self._log is not None:
@@ -428,9 +448,19 @@ class EvalRun:
         if self.config.backend == "scripted":
             return ScriptedSolver(config, self.config.scripted, self._died, self._died_lock)
         self.log(f"arm '{arm}': starting runtimes ({config.generator.model} on {config.generator.device})")
-        solver = SessionSolver(config, self.run_dir / "logs" / arm)
-        self.log(f"arm '{arm}': runtimes ready in {solver.startup_s:.0f} s")
+        spare, self._spare = self._spare, {}
+        solver = SessionSolver(config, self.run_dir / "logs" / arm, reuse=spare)
+        self.log(f"arm '{arm}': runtimes ready in {solver.startup_s:.0f} s"
+                 + (f" (kept from the previous arm: {', '.join(solver.reused)})" if solver.reused else ""))
         return solver
+
+    def stop_spare(self) -> None:
+        from sgl_tts.runtime import Runtime
+
+        for runtime in self._spare.values():
+            if isinstance(runtime, Runtime):
+                runtime.stop()
+        self._spare = {}
 
     def run(self) -> RunOutcome:
         from tqdm import tqdm
@@ -453,19 +483,25 @@ class EvalRun:
                     continue
                 runtimes = ArmRuntimes(arm.name, lambda name=arm.name: self.start_solver(name),
                                        self.config.max_restarts)
+                finished = False
                 try:
                     for unit in arm_units:
                         if todo[unit.key]:
                             bar.set_postfix(arm=unit.arm, dataset=unit.dataset, n=unit.n, seed=unit.seed,
                                             rep=unit.repetition)
                             self.run_unit(unit, todo[unit.key], runtimes, header, done, bar)
+                    finished = True
                 finally:
                     self.restarts += runtimes.restarts
-                    runtimes.close()
+                    if finished and self.config.reuse_runtimes:
+                        self._spare = runtimes.detach()
+                    else:
+                        runtimes.close()
         except KeyboardInterrupt:
             interrupted = True
             self.log("interrupted: every finished problem is saved; writing a partial summary")
         finally:
+            self.stop_spare()
             bar.close()
             finished = {row_key(r) for r in self.store.records() if not r.get("failed")}
             complete = not interrupted and all(u.key + (p.id,) in finished for u in units for p in problems[u.dataset])
@@ -488,7 +524,7 @@ class EvalRun:
                     result, error, wall_s, entries = future.result()
                     if error is not None and not solver.alive():
                         retry.append(problem)
-                        reason = f"{type(error).__name__}: {error}"
+                        reason = reason or f"{type(error).__name__}: {error}"
                         continue
                     self.write_row(unit, problem, result, error, wall_s, entries, solver, runtimes.restarts,
                                    row_provenance)
@@ -544,7 +580,8 @@ class EvalRun:
             row.update(
                 failed=False,
                 metrics=metrics,
-                timing={"runtime_start_s": solver.startup_s, "solve_wall_s": wall_s, "total_s": result.total_time_s,
+                timing={"runtime_start_s": solver.startup_s, "runtimes_reused": solver.reused,
+                        "solve_wall_s": wall_s, "total_s": result.total_time_s,
                         "generator_s": result.generator_time_s, "verifier_s": result.verifier_time_s,
                         "requests": request_windows([e for e in entries if e["backend"] == "generator"])},
                 result=result.to_dict(),

@@ -97,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"  sglang x{p}: {sglang_rates[p]:.1f} tok/s", flush=True)
         cache_fraction = fork_cache_fraction(runtime, prompts[0])
     # The server is stopped before HF runs, so the two never share the cores.
-    model = AutoModelForCausalLM.from_pretrained(runtime.model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(runtime.model_path, dtype=torch.float32)
     model.eval()
     hf_tokens_per_s(model, tokenizer, prompts[:1], 4)  # warm-up
     for p in parallel:

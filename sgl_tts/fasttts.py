@@ -25,6 +25,7 @@ from policies.base import BeamTag, encode_rid
 from policies.plugin import ENV_POLICY
 from sgl_tts.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
                               Workload, get_hardware, load_model_spec, plan_memory)
+from sgl_tts.config import ConfigError
 from sgl_tts.runtime import RuntimeConfig
 from sgl_tts.search import Path, SearchConfig, SearchTracker, expand
 
@@ -203,7 +204,7 @@ def _tokens(kv_bytes: float, spec: ModelSpec, role: str, fast: FastTTSConfig, se
     tokens = int(kv_bytes // spec.kv_bytes_per_token)
     floor = longest_request_tokens(fast, search)
     if tokens < floor:
-        raise ValueError(f"fasttts.kv_budget_mib: the {role} runtime's share holds {tokens} tokens, fewer than "
+        raise ConfigError(f"fasttts.kv_budget_mib: the {role} runtime's share holds {tokens} tokens, fewer than "
                          f"the longest request ({floor} = prompt_tokens + max_tokens + max_step_tokens); "
                          f"raise the budget (now {kv_bytes / MIB:.1f} MiB for the {role}, "
                          f"{spec.kv_bytes_per_token} KV bytes per token)")

@@ -232,6 +232,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: Path, title: str) -> None:
     left.patch.set_visible(False)
     left.set_xlabel("threshold delta")
     left.set_ylabel("accuracy (%)")
+    left.set_ylim(0, 105)
     left.set_title("accuracy and draft-only problems")
     handles = left.get_legend_handles_labels()[0] + bars.get_legend_handles_labels()[0]
     left.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize=8)
@@ -324,7 +325,8 @@ def _cmd_rsd_sweep(args: argparse.Namespace) -> int:
                           f"ignores: use one of {', '.join(SWEEP_WEIGHTINGS)}")
     limit = args.limit if args.limit is not None else config.dataset.limit
     problems = list(load_problems(config.dataset.name, limit=limit, offset=config.dataset.offset))
-    target = config.target if config.target == "generator" else config.target.model
+    target = (f"{config.generator.model} on the generator's runtime" if config.target == "generator"
+              else config.target.model)
     title = (f"RSD delta sweep: draft {config.generator.model}, target {target}, scorer {config.scorer.kind}, "
              f"{config.dataset.name} x{len(problems)}, weighting {config.rsd.weighting}")
     print(f"sgl-tts rsd-sweep: {title}; deltas {', '.join(f'{d:g}' for d in args.deltas)}", flush=True)

@@ -6,6 +6,7 @@ A program file in `programs/` composes these pieces inside an `@sgl.function`; s
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -18,6 +19,29 @@ from sgl_tts.runtime import RuntimeDiedError
 from sgl_tts.scoring import AGGREGATIONS, ScorerError, StepScorer, aggregate
 
 Selection = Literal["best", "weighted", "majority"]
+
+
+def end_program_states() -> int:
+    """Stop the worker thread of every SGLang program state still alive; returns how many.
+
+    Each forked state runs a non-daemon worker thread that ends only when the state is garbage-collected.
+    A state kept alive by a reference cycle at interpreter exit would make the exit wait forever, so this
+    runs at exit, before the interpreter joins its threads.
+    """
+    import gc
+
+    from sglang.lang.interpreter import StreamExecutor
+
+    ended = 0
+    for obj in gc.get_objects():
+        if type(obj) is StreamExecutor and obj.use_thread and obj.worker.is_alive():
+            obj.queue.put(None)
+            ended += 1
+    return ended
+
+
+# threading's own exit hook runs before non-daemon threads are joined (atexit runs after, too late).
+getattr(threading, "_register_atexit", lambda fn: None)(end_program_states)
 
 
 @dataclass(frozen=True)
@@ -243,7 +267,8 @@ def rank_key(path: Path | Candidate, aggregation: str) -> tuple[float, str]:
 def build_result(problem_id: str, program: str, paths: Sequence[Path], config: SearchConfig,
                  tracker: SearchTracker, error: str | None = None, extra: dict[str, Any] | None = None
                  ) -> SearchResult:
-    """The result record: candidates with aggregated scores, the selected answer, counts and times."""
+    """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
+    selection's tie-breaks do not depend on which request finished first), the selected answer, counts."""
     from sgl_tts.selection import select
 
     end = tracker.elapsed()
@@ -254,7 +279,7 @@ def build_result(problem_id: str, program: str, paths: Sequence[Path], config: S
             completion_time_s=p.finish_time_s if p.finish_time_s is not None else end,
             finish_reason=p.finish_reason or "unfinished", parent=p.parent, extra=dict(p.extra),
         )
-        for p in paths
+        for p in sorted(paths, key=lambda p: rank_key(p, config.aggregation))
     ]
     answer = select(config.selection, [c.answer for c in candidates], [c.score for c in candidates])
     return SearchResult(

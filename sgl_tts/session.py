@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 from sgl_tts.config import load_yaml
+from sgl_tts.fasttts import FastTTSConfig, configure_runtimes, search_extras
 from sgl_tts.records import SearchResult
 from sgl_tts.registry import load_program
 from sgl_tts.rsd_math import RSDConfig
@@ -39,6 +40,7 @@ class RunConfig:
     # RSD's target model: its own runtime, or "generator" to let the generator's runtime (the draft) serve it.
     target: RuntimeConfig | Literal["generator"] | None = None
     rsd: RSDConfig = field(default_factory=RSDConfig)  # read by the rsd program
+    fasttts: FastTTSConfig = field(default_factory=FastTTSConfig)  # switches P, M, S (sgl_tts.fasttts)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -62,8 +64,11 @@ def load_run_config(path: str | Path) -> RunConfig:
 class Session:
     """Owns the runtimes of one run. Use as a context manager so they are always stopped."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, reuse: dict[str, Runtime] | None = None):
+        """`reuse`: started runtimes (from `detach`) to keep where the new config wants the same settings;
+        the others are stopped."""
         self.config = config
+        self._reuse = dict(reuse or {})
         self.program = load_program(config.search.program)
         self.runtimes: dict[str, Runtime] = {}
         self.started_s = 0.0
@@ -85,9 +90,24 @@ class Session:
             wanted["scorer"] = self.config.scorer.runtime
         if isinstance(self.config.target, RuntimeConfig):
             wanted["target"] = self.config.target
+        # FastTTS: the generator's scheduler policy and priority scheduling, the KV split with the scorer.
+        self.fasttts = configure_runtimes(self.config.fasttts, self.config.search, wanted["generator"],
+                                          wanted.get("scorer"))
+        wanted["generator"] = self.fasttts.generator
+        if self.fasttts.verifier is not None:
+            wanted["scorer"] = self.fasttts.verifier
         # Start all processes first, then wait: start-ups overlap.
         for name, runtime_config in wanted.items():
+            previous = self._reuse.pop(name, None)
+            if previous is not None and previous.config == runtime_config and previous.alive():
+                self.runtimes[name] = previous
+                continue
+            if previous is not None:
+                previous.stop()
             self.runtimes[name] = Runtime.start(runtime_config, name=name, log_dir=log_dir, wait=False)
+        for unused in self._reuse.values():
+            unused.stop()
+        self._reuse.clear()
         for runtime in self.runtimes.values():
             runtime.wait_ready()
         self.started_s = time.monotonic() - began
@@ -110,6 +130,7 @@ class Session:
             self.search_runtimes.target = TTSEndpoint(target)
             self.search_runtimes.extras["target_prompt"] = lambda question: chat_prompt(target_tokenizer, question)
         self.search_runtimes.extras["rsd"] = self.config.rsd
+        self.search_runtimes.extras.update(search_extras(self.config.fasttts, generator, tokenizer))
 
     def solve(self, problem: Any, search: SearchConfig | None = None) -> SearchResult:
         return self.program(problem, search or self.config.search, self.search_runtimes)
@@ -127,9 +148,15 @@ class Session:
                 yield problem, result
 
     def close(self) -> None:
-        for runtime in self.runtimes.values():
+        for runtime in [*self.runtimes.values(), *self._reuse.values()]:
             runtime.stop()
         self.runtimes.clear()
+        self._reuse.clear()
+
+    def detach(self) -> dict[str, Runtime]:
+        """Hand over the running runtimes (for `Session(..., reuse=...)`) instead of stopping them."""
+        runtimes, self.runtimes = self.runtimes, {}
+        return runtimes
 
     def __enter__(self) -> "Session":
         return self

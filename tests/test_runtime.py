@@ -63,7 +63,7 @@ def test_likelihood_scorer_matches_transformers(tiny_runtime, tiny_search_runtim
     steps = ["First add two and two.\n\n", "That gives 4.\n\n", "The answer is 4."]
     (scores,) = scorer.score(prompt, [steps])
     ids, starts = scorer._tokenize(prompt, steps)
-    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32)
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
     bounds = starts + [len(ids)]

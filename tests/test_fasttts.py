@@ -1,0 +1,155 @@
+"""FastTTS switches: config, runtime settings (P's env, S's priority flag, M's KV split), request tags, and
+equivalence: with S off, the baseline and P+M choose the same beams."""
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+
+from eval.datasets import Problem
+from policies.base import decode_rid
+from policies.plugin import ENV_POLICY
+from sgl_tts.config import ConfigError, load_dataclass
+from sgl_tts.fasttts import (FASTTTS, MIB, PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label,
+                             longest_request_tokens, model_spec_for, plan_workload)
+from sgl_tts.registry import load_program
+from sgl_tts.roofline import HARDWARE, plan_memory
+from sgl_tts.runtime import RuntimeConfig
+from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.session import RunConfig
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+PROMPT = "Q: what is two plus two?\n\n"
+PROBLEM = Problem(id="p1", question="what is two plus two?", gold="4")
+SEARCH = SearchConfig(n=8, beam_width=2, max_steps=4, max_step_tokens=48, max_tokens=192)
+SMOL = RuntimeConfig(model="smollm2-135m", device="cpu")
+KV_FP32 = 46080  # SmolLM2-135M KV bytes per token in fp32 (2·30·3·64·4)
+
+
+def test_config_validates_and_loads_from_yaml_mapping():
+    with pytest.raises(ValueError, match="more than 10"):
+        FastTTSConfig(standard_priority=5, speculative_priority=0)
+    with pytest.raises(ValueError, match="truncation_ratio"):
+        FastTTSConfig(truncation_ratio=1.5)
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'.*rtx4090"):
+        FastTTSConfig(hardware="tpu")
+    with pytest.raises(ConfigError, match="fasttts.speculate"):
+        load_dataclass(RunConfig, {"fasttts": {"speculate": True}}, "run.yaml")
+    config = load_dataclass(RunConfig, {"fasttts": {"prefix_order": True, "kv_budget_mib": 96}}, "run.yaml")
+    assert config.fasttts == FastTTSConfig(prefix_order=True, kv_budget_mib=96.0)
+    assert RunConfig().fasttts.label == "baseline", "all switches default to off"
+
+
+def test_labels_name_the_switches():
+    assert [from_label(label).label for label in ("baseline", "P", "P+M", "P+M+S", "S")] == \
+        ["baseline", "P", "P+M", "P+M+S", "S"]
+    assert from_label("P+M+S", truncation_ratio=0.5).truncation_ratio == 0.5
+    for bad in ("Q", "P+P", "P+", ""):
+        with pytest.raises(ValueError, match="bad arm"):
+            from_label(bad)
+
+
+def test_baseline_is_fcfs_without_priorities_and_a_50_50_split():
+    fast = FastTTSConfig(kv_budget_mib=200)
+    settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
+    half_tokens = int(200 * MIB / 2 // KV_FP32)
+    assert settings.split == "static 50/50"
+    assert settings.generator.max_total_tokens == settings.verifier.max_total_tokens == half_tokens
+    assert settings.generator.env[ENV_POLICY] == "fcfs"
+    assert PRIORITY_FLAG not in settings.generator.extra_args
+    assert ENV_POLICY not in settings.verifier.env, "the verifier runs no policy"
+
+
+def test_p_sets_the_plugin_policy_and_s_enables_priority_scheduling():
+    settings = configure_runtimes(from_label("P+S"), SEARCH, SMOL, SMOL)
+    assert settings.generator.env[ENV_POLICY] == "prefix"
+    assert settings.generator.extra_args.count(PRIORITY_FLAG) == 1
+    assert settings.split == "as configured" and settings.generator.max_total_tokens is None
+    again = configure_runtimes(from_label("S"), SEARCH, settings.generator, None)
+    assert again.generator.extra_args.count(PRIORITY_FLAG) == 1, "the flag is not added twice"
+    assert again.generator.env[ENV_POLICY] == "fcfs", "P off resets the policy to the baseline"
+
+
+def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_the_verifier():
+    fast = from_label("P+M", kv_budget_mib=300, hardware="rtx4090")
+    settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
+    spec = model_spec_for(SMOL)
+    assert spec.kv_bytes_per_token == KV_FP32
+    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], plan_workload(fast, SEARCH), 300 * MIB)
+    floor = longest_request_tokens(fast, SEARCH)
+    expected_verifier = max(plan.shared.b_pre * plan.workload.seq_len, floor)
+    assert settings.split == "roofline" and settings.plan.shared == plan.shared
+    assert settings.verifier.max_total_tokens == expected_verifier
+    assert settings.generator.max_total_tokens == int((300 * MIB - expected_verifier * KV_FP32) // KV_FP32)
+    total = (settings.generator.max_total_tokens + settings.verifier.max_total_tokens) * KV_FP32
+    assert 300 * MIB - KV_FP32 < total <= 300 * MIB, "the whole budget is handed out"
+    static = configure_runtimes(dataclasses.replace(fast, memory_plan=False), SEARCH, SMOL, SMOL)
+    assert settings.generator.max_total_tokens > static.generator.max_total_tokens, "M favours the generator"
+
+
+def test_m_without_a_budget_pools_the_configured_budgets():
+    gen = dataclasses.replace(SMOL, max_total_tokens=6000)
+    ver = dataclasses.replace(SMOL, max_total_tokens=3000)
+    settings = configure_runtimes(from_label("M", hardware="rtx4090"), SEARCH, gen, ver)
+    assert settings.generator.max_total_tokens + settings.verifier.max_total_tokens == 9000
+    assert configure_runtimes(FastTTSConfig(), SEARCH, gen, ver).generator.max_total_tokens == 6000
+
+
+def test_a_shared_runtime_gets_the_whole_budget_and_too_small_budgets_are_refused():
+    settings = configure_runtimes(FastTTSConfig(kv_budget_mib=50), SEARCH, SMOL, None)
+    assert settings.verifier is None and settings.generator.max_total_tokens == int(50 * MIB // KV_FP32)
+    with pytest.raises(ConfigError, match=r"kv_budget_mib.*verifier.*longest request"):
+        configure_runtimes(FastTTSConfig(kv_budget_mib=20), SEARCH, SMOL, SMOL)
+
+
+# ---- the search side, on the scripted backend ----
+
+def run_beam_search(fast, model=None):
+    backend = ScriptedBackend(model or ScriptedModel(answer_depth=3, answer_chance=0.3))
+    scorer = ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT, extras={FASTTTS: fast})
+    return load_program("beam_search")(PROBLEM, SEARCH, runtimes), backend, scorer
+
+
+def summary(result):
+    return sorted((c.text, tuple(c.step_scores), c.answer, c.finish_reason) for c in result.candidates)
+
+
+@pytest.mark.parametrize("model", [ScriptedModel(answer_depth=3, answer_chance=0.3), ScriptedModel(answer_depth=10)])
+def test_baseline_and_p_m_choose_identical_beams(model):
+    baseline, base_backend, base_scorer = run_beam_search(FastTTSConfig(), model)
+    tagged, tagged_backend, tagged_scorer = run_beam_search(from_label("P+M"), model)
+    assert summary(baseline) == summary(tagged)
+    assert baseline.answer == tagged.answer
+    as_sets = lambda calls: [sorted(map(tuple, call)) for call in calls]
+    assert as_sets(base_scorer.calls) == as_sets(tagged_scorer.calls), "the verifier sees the same steps"
+    assert all("rid" not in r["fields"] for r in base_backend.requests), "the baseline sends no tags"
+
+
+def test_p_tags_every_request_with_its_place_in_the_tree():
+    result, backend, _ = run_beam_search(from_label("P"))
+    by_iteration = defaultdict(list)
+    for request in backend.requests:
+        tag = decode_rid(request["fields"]["rid"])
+        assert tag is not None and not tag.speculative and "priority" not in request["fields"]
+        by_iteration[tag.iteration].append((tag, request["text"]))
+    assert len(by_iteration) == result.iterations
+    assert len({tag.problem_id for reqs in by_iteration.values() for tag, _ in reqs}) == 1
+    for iteration, requests in sorted(by_iteration.items()):
+        fan_out = SEARCH.n if iteration == 0 else SEARCH.beam_width
+        assert sorted(t.beam_id for t, _ in requests) == list(range(len(requests))), "beam ids are positions"
+        by_parent = defaultdict(set)
+        for tag, text in requests:
+            by_parent[tag.parent_id].add(text)
+            assert tag.parent_id is None if iteration == 0 else tag.parent_id is not None
+        assert all(len(texts) == 1 for texts in by_parent.values()), "a parent's forks share its text"
+        # Parent order: children are numbered parent by parent, parents in increasing beam id.
+        parents_in_beam_order = [t.parent_id for t, _ in sorted(requests, key=lambda r: r[0].beam_id)]
+        assert parents_in_beam_order == sorted(parents_in_beam_order, key=lambda p: -1 if p is None else p)
+        assert all(t.beam_id // fan_out == sorted(by_parent, key=lambda p: p or 0).index(t.parent_id)
+                   for t, _ in requests)
+        if iteration:
+            # The parent id names the previous iteration's request whose text this request extends.
+            previous = {t.beam_id: text for t, text in by_iteration[iteration - 1]}
+            for tag, text in requests:
+                assert text.startswith(previous[tag.parent_id]) and text != previous[tag.parent_id]
