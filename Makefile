@@ -19,6 +19,7 @@ test-fast: setup
 
 bench: setup
 	.venv/bin/sgl-tts bench runtime
+	.venv/bin/sgl-tts bench fasttts
 
 eval: setup
 	.venv/bin/sgl-tts eval --config $(CONFIG)

@@ -165,6 +165,26 @@ def request_windows(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def end_leaked_executors(backends: list[Any]) -> int:
+    """End the SGLang frontend executors on `backends` that are still running; returns how many.
+
+    Every program state (and fork) has an executor with a non-daemon worker thread that ends when the state is
+    garbage-collected. A program that keeps its states reachable from the program's own arguments (a reference
+    cycle through the worker thread) leaks one thread per fork, and a process with such threads never exits.
+    Called between units, when none of these backends' programs is running."""
+    import gc
+
+    from sglang.lang.interpreter import StreamExecutor
+
+    ended = 0
+    for obj in gc.get_objects():
+        if (type(obj) is StreamExecutor and obj.use_thread and obj.worker.is_alive()  # type(): no __class__ lookups
+                and any(obj.backend is backend for backend in backends)):
+            obj.end()
+            ended += 1
+    return ended
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Solvers: what an arm's problems are solved on
 
@@ -222,6 +242,10 @@ class SessionSolver:
         if runtimes.target is not None and runtimes.target is not runtimes.generator:
             self.requests.instrument(runtimes.target, "target")  # RSD's target model
 
+    def backends(self) -> list[Any]:
+        runtimes = self.session.search_runtimes
+        return [backend for backend in (runtimes.generator, runtimes.target) if backend is not None]
+
     def prompts(self, question: str) -> tuple[str, ...]:
         """The prompt texts this problem's requests start with (the target's own chat format too)."""
         runtimes = self.session.search_runtimes
@@ -234,13 +258,24 @@ class SessionSolver:
     def alive(self) -> bool:
         return all(runtime.alive() for runtime in self.session.runtimes.values())
 
-    def flush_cache(self) -> None:
-        """Empty every runtime's radix cache (SGLang /flush_cache; it refuses while requests run)."""
+    def flush_cache(self) -> list[str]:
+        """Empty every runtime's radix cache; returns the runtimes that refused.
+
+        SGLang's /flush_cache only flushes an idle scheduler; with `timeout` it waits that long for idleness
+        (right after a batch the scheduler is not idle until its loop has turned once more)."""
+        import urllib.error
         import urllib.request
 
-        for runtime in self.session.runtimes.values():
-            if not runtime.config.is_embedding:
-                urllib.request.urlopen(urllib.request.Request(runtime.url + "/flush_cache", data=b""), timeout=60).read()
+        refused = []
+        for name, runtime in self.session.runtimes.items():
+            if runtime.config.is_embedding:
+                continue
+            request = urllib.request.Request(runtime.url + "/flush_cache?timeout=30", data=b"")
+            try:
+                urllib.request.urlopen(request, timeout=60).read()
+            except (urllib.error.URLError, OSError) as exc:
+                refused.append(f"{name} ({exc})")
+        return refused
 
     def describe(self) -> dict[str, Any]:
         tokenizer = self.session.tokenizer
@@ -286,6 +321,9 @@ class ScriptedSolver:
         self.startup_s = time.monotonic() - began
         self.reused: list[str] = []
 
+    def backends(self) -> list[Any]:
+        return [self.runtimes.generator]
+
     def prompts(self, question: str) -> tuple[str, ...]:
         return (self.runtimes.prompt(question),)
 
@@ -302,7 +340,7 @@ class ScriptedSolver:
     def alive(self) -> bool:
         return not self.dead
 
-    def flush_cache(self) -> None:
+    def flush_cache(self) -> list[str]:
         """A fresh scripted model: its per-text variant counters and prefix cache start empty, so a unit's
         results depend on nothing solved before it (as a flushed radix cache and a fixed seed would)."""
         from sgl_tts.testing import ScriptedBackend, ScriptedModel
@@ -310,6 +348,7 @@ class ScriptedSolver:
         backend = ScriptedBackend(ScriptedModel(answer_depth=self.options.answer_depth, answers=self.options.answers))
         self.requests.instrument(backend)
         self.runtimes.generator = backend
+        return []
 
     def describe(self) -> dict[str, Any]:
         return {"generator": {"model": "scripted", "revision": None, "precision": None},
@@ -382,6 +421,7 @@ class EvalRun:
         self._died: set[str] = set()  # scripted die_on ids already used
         self._died_lock = threading.Lock()
         self._spare: dict[str, Any] = {}  # the previous arm's runtimes, offered to the next (reuse_runtimes)
+        self.active: ArmRuntimes | None = None  # the running arm's runtimes
 
     def log(self, message: str) -> None:
         if self._log is not None:
@@ -417,9 +457,9 @@ class EvalRun:
             if self.config.backend == "sglang":
                 from sgl_tts.models import resolve_model
 
-                resolve_model(arm_config.generator.model)
-                if arm_config.scorer.runtime is not None:
-                    resolve_model(arm_config.scorer.runtime.model)
+                for runtime in (arm_config.generator, arm_config.scorer.runtime, getattr(arm_config, "target", None)):
+                    if hasattr(runtime, "model"):  # a RuntimeConfig (not None, not "generator")
+                        resolve_model(runtime.model)
 
     def prepare(self) -> dict[str, Any]:
         """Create or reopen the run folder; refuse one that holds a different experiment."""
@@ -481,8 +521,8 @@ class EvalRun:
                 todo = {u.key: [p for p in problems[u.dataset] if u.key + (p.id,) not in done] for u in arm_units}
                 if not any(todo.values()):
                     continue
-                runtimes = ArmRuntimes(arm.name, lambda name=arm.name: self.start_solver(name),
-                                       self.config.max_restarts)
+                runtimes = self.active = ArmRuntimes(arm.name, lambda name=arm.name: self.start_solver(name),
+                                                     self.config.max_restarts)
                 finished = False
                 try:
                     for unit in arm_units:
@@ -493,6 +533,7 @@ class EvalRun:
                     finished = True
                 finally:
                     self.restarts += runtimes.restarts
+                    self.active = None
                     if finished and self.config.reuse_runtimes:
                         self._spare = runtimes.detach()
                     else:
@@ -513,7 +554,10 @@ class EvalRun:
         while todo:
             solver = runtimes.solver
             if self.config.flush_cache:
-                solver.flush_cache()
+                refused = solver.flush_cache()
+                if refused:
+                    self.log(f"warning: radix cache not flushed before {unit.arm} n={unit.n} seed={unit.seed} "
+                             f"rep={unit.repetition}: {'; '.join(refused)}")
             row_provenance = self.row_provenance(unit, solver, header)
             retry, reason = [], ""
             pool = ThreadPoolExecutor(max_workers=unit.config.concurrency)
@@ -533,6 +577,10 @@ class EvalRun:
                     bar.update(1)
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
+            leaked = end_leaked_executors(solver.backends())
+            if leaked:
+                self.log(f"warning: program '{unit.config.search.program}' left {leaked} SGLang program state(s) "
+                         "running (their threads would keep the process alive); ended them")
             if retry:
                 self.log(f"arm '{unit.arm}': a runtime died ({reason.splitlines()[0]}); restarting it and "
                          f"solving {len(retry)} problem(s) again")

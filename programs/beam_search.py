@@ -43,7 +43,7 @@ def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes
             score_lookahead(active, prompt, config, runtimes, tracker)
         key = lookahead_rank_key if config.lookahead else (lambda c: rank_key(c, config.aggregation))
         kept = {id(c) for c in sorted(active, key=key)[: keep_count(config)]}
-        beams = sorted(active, key=key)[: keep_count(config)]
+        beams = [c for c in active if id(c) in kept]  # in parent order, as the prefix-aware policy needs
         if not beams:
             break
     for beam in beams:

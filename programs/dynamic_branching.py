@@ -46,11 +46,12 @@ def dynamic_branching_program(s, prompt: str, config: SearchConfig, runtimes: Ru
         children = expand(beams, config, tracker, extract_answer)
         tracker.score(runtimes.scorer, prompt, children)
         finished += [c for c in children if not c.active]
-        active = sorted((c for c in children if c.active), key=lambda c: rank_key(c, config.aggregation))
-        budget = config.n - len(finished)
-        counts = allocate(budget, [aggregate(c.step_scores, config.aggregation) for c in active],
+        active = [c for c in children if c.active]
+        ranked = sorted(active, key=lambda c: rank_key(c, config.aggregation))
+        counts = allocate(config.n - len(finished), [aggregate(c.step_scores, config.aggregation) for c in ranked],
                           config.branching_temperature)
-        beams = [(path, count) for path, count in zip(active, counts) if count > 0]
+        children_of = {id(path): count for path, count in zip(ranked, counts)}
+        beams = [(path, children_of[id(path)]) for path in active if children_of[id(path)] > 0]  # parent order
         if not beams:
             break
     for path in active:

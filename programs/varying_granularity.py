@@ -33,7 +33,10 @@ def next_granularity(g: int, kept: list[Path], pruned: list[Path], config: Searc
 
 def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: SearchTracker) -> list[Path]:
     """Each unfinished path one step further (one child each, no verification); finished ones unchanged."""
-    grown = iter(expand([(p, 1) for p in paths if p.active], config, tracker, extract_answer))
+    growing = [(p, 1) for p in paths if p.active]
+    if not growing:
+        return paths
+    grown = iter(expand(growing, config, tracker, extract_answer))
     return [next(grown) if p.active else p for p in paths]
 
 
@@ -54,8 +57,9 @@ def varying_granularity_program(s, prompt: str, config: SearchConfig, runtimes: 
         tracker.score(runtimes.scorer, prompt, children)
         finished += [c for c in children if not c.active]
         ranked = sorted((c for c in children if c.active), key=lambda c: rank_key(c, config.aggregation))
-        beams = ranked[:keep]
-        g = next_granularity(g, beams, ranked[keep:], config)
+        kept = {id(c) for c in ranked[:keep]}
+        beams = [c for c in children if id(c) in kept]  # in parent order, as the prefix-aware policy needs
+        g = next_granularity(g, ranked[:keep], ranked[keep:], config)
     for beam in beams:
         finish(beam, "max_steps", tracker)
     return finished + beams

@@ -73,12 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench_runtime import add_bench_runtime_parser
 
     add_bench_runtime_parser(bench_commands)
+    from sgl_tts.bench_fasttts import add_bench_fasttts_parser
+
+    add_bench_fasttts_parser(bench_commands)
 
     plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
     plan_commands = plan.add_subparsers(dest="plan", required=True)
     from sgl_tts.specdec import add_plan_spec_parser
 
     add_plan_spec_parser(plan_commands)
+    from sgl_tts.roofline import add_plan_memory_parser
+
+    add_plan_memory_parser(plan_commands)
 
     from sgl_tts.rsd_sweep import add_rsd_sweep_parser
 

@@ -48,7 +48,8 @@ class _RuntimePRM(StepScorer):
         matches = self._question.findall(prompt)
         if not matches:
             raise ValueError(f"scorer '{self.name}': the generator prompt does not match scorer.question_pattern "
-                             f"{self.config.question_pattern!r}; set it to capture the question. Prompt: {prompt[:200]!r}")
+                             f"{self.config.question_pattern!r}; set it to capture the question. "
+                             f"Prompt: {prompt[:200]!r}")
         last = matches[-1]
         return (last[0] if isinstance(last, tuple) else last).strip()
 
@@ -167,7 +168,8 @@ class RLHFlowScorer(LogprobTagScorer):
         conversation: list[dict[str, str]] = []
         offsets = []
         for index, step in enumerate(steps):
-            conversation.append({"role": "user", "content": f"{question} {step.strip()}" if index == 0 else step.strip()})
+            turn = f"{question} {step.strip()}" if index == 0 else step.strip()
+            conversation.append({"role": "user", "content": turn})
             prefix = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
             offsets.append(len(prefix))
             conversation.append({"role": "assistant", "content": verdict})

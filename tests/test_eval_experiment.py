@@ -38,7 +38,7 @@ def test_cpu_default_is_small_and_compares_two_arms():
     assert all(c.generator.model == "smollm2-135m" and c.generator.device == "cpu"
                for c in experiment.arm_configs.values())
     assert config.n_values == [4] and config.repetitions == 1
-    assert [(d.name, d.limit) for d in config.datasets] == [("builtin", 4)]
+    assert [(d.name, d.limit) for d in config.datasets] == [("builtin", 3)]
     assert len(experiment.units()) == 2
 
 

@@ -3,6 +3,7 @@ failures, bad input before anything starts, and per-request timing windows."""
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,22 @@ def assert_rows_match_reference(rows, experiment):
         assert row["metrics"]["generated_tokens"] == metrics["generated_tokens"]
 
 
+def non_daemon_threads():
+    return sum(1 for thread in threading.enumerate() if not thread.daemon)
+
+
+def wait_for_threads(at_most, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while non_daemon_threads() > at_most and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return non_daemon_threads()
+
+
 def test_complete_run_matches_direct_reference_and_carries_provenance(tmp_path):
     experiment = write_experiment(tmp_path, write_dataset(tmp_path))
+    threads_before = non_daemon_threads()
     outcome = run(experiment, tmp_path / "run")
+    assert wait_for_threads(threads_before) <= threads_before, "no SGLang worker thread outlives the run"
     assert outcome.complete and not outcome.interrupted and outcome.written == 2 * 2 * len(GOLDS)
     store = ResultStore(tmp_path / "run" / "results.jsonl")
     rows = store.records()
