@@ -10,9 +10,10 @@ Results are never lost. Each problem's line is written and fsync'ed as soon as t
 submission order). Starting again on the same folder skips every (arm, dataset, n, seed, repetition,
 problem) that has a line, so a run killed with SIGKILL loses at most the problems in flight. A problem
 whose search raised while the runtimes were alive gets a `failed` line and is retried on the next resume. A
-problem that failed because a runtime died (`Runtime.alive()` false; `TTSEndpoint` and the scorer raise
-`RuntimeDiedError` via `Runtime.check_alive()`) is not written: the arm's runtimes are stopped, started
-again, and the problem is solved again, up to `max_restarts` times per arm. Ctrl-C stops the runtimes,
+problem that failed because a runtime died (its process exited, or it stopped answering for a grace period;
+`TTSEndpoint` and the scorer raise `RuntimeDiedError` via `Runtime.check_alive()`) is not written: the
+arm's runtimes are stopped, started again, and the problem is solved again, up to `max_restarts` times per
+arm. Ctrl-C stops the runtimes,
 keeps every written line, and writes a partial summary.
 
 Runtimes: each arm gets a `Session`. With `reuse_runtimes` (default) an arm whose runtime settings equal the
@@ -255,8 +256,27 @@ class SessionSolver:
     def solve(self, problem: Problem, search: Any) -> SearchResult:
         return self.session.solve(problem, search)
 
-    def alive(self) -> bool:
-        return all(runtime.alive() for runtime in self.session.runtimes.values())
+    def alive(self, grace_s: float = 10.0) -> bool:
+        """Whether every runtime still serves: its process runs and answers /get_model_info within `grace_s`.
+
+        Asked after a failed search. A killed server refuses connections a moment before its process exits,
+        so a refusal alone is not taken as death until the grace period ends; a server that stays unreachable
+        that long counts as dead (and is stopped and started again)."""
+        from sgl_tts.runtime import http_json
+
+        deadline = time.monotonic() + grace_s
+        for runtime in self.session.runtimes.values():
+            while True:
+                if not runtime.alive():
+                    return False
+                try:
+                    http_json(runtime.url + "/get_model_info", timeout=5)
+                    break
+                except (OSError, ValueError):
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.2)
+        return True
 
     def flush_cache(self) -> list[str]:
         """Empty every runtime's radix cache; returns the runtimes that refused.
@@ -638,7 +658,8 @@ class EvalRun:
                 row["timing"]["target_requests"] = request_windows([e for e in entries if e["backend"] == "target"])
             self.written += 1
         row["provenance"] = row_provenance
-        self.store.append(row)
+        # A program may put objects that JSON cannot hold into `extra`: store their repr rather than fail.
+        self.store.append(json.loads(json.dumps(row, default=repr)))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-step-tokens", type=int, default=24)
     parser.add_argument("--step-delimiter", default="\\n",
                         help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
-    parser.add_argument("--kv-budget-mib", type=float, default=64.0,
+    parser.add_argument("--kv-budget-mib", type=float, default=48.0,
                         help="KV memory shared by generator and verifier (small enough to force evictions)")
     parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
     parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")

@@ -161,8 +161,13 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
     """
     env = {**generator.env, ENV_POLICY: fast.policy}
     args = list(generator.extra_args)
-    if fast.speculative and PRIORITY_FLAG not in args:
-        args.append(PRIORITY_FLAG)
+    if fast.speculative:
+        # Untagged requests (the frontend's prefix pre-send, a scorer sharing the runtime) default to standard
+        # priority instead of the lowest; under memory pressure speculative requests are retracted first.
+        for flag, *value in ([PRIORITY_FLAG], ["--default-priority-value", str(fast.standard_priority)],
+                             ["--retraction-policy", "priority"]):
+            if flag not in args:
+                args += [flag, *value]
     generator = dataclasses.replace(generator, env=env, extra_args=args)
 
     budget = None if fast.kv_budget_mib is None else fast.kv_budget_mib * MIB

@@ -171,9 +171,13 @@ def set_request_fields(state: Any, fields: dict[str, Any] | None) -> None:
 def wait_meta(state: Any, name: str) -> dict[str, Any]:
     """Block until generation `name` of `state` is done; raise the generator's error if it failed."""
     meta = state.get_meta_info(name)
-    error = state.stream_executor.error_
-    if error is not None:
-        raise error
+    executor = state.stream_executor
+    if meta is None and executor.use_thread:
+        # A failed generation has no meta. SGLang 0.5.23's worker wakes the waiters first and records
+        # `error_` just before its thread ends, so wait for the thread before reading the error.
+        executor.worker.join(timeout=5.0)
+    if executor.error_ is not None:
+        raise executor.error_
     return meta or {}
 
 

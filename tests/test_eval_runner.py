@@ -291,3 +291,18 @@ def test_request_log_is_thread_safe_under_concurrent_requests():
     for thread in threads:
         thread.join()
     assert {i: len(log.end(t)) for i, t in tickets.items()} == {i: 50 for i in range(8)}
+
+
+def test_objects_json_cannot_hold_are_stored_as_their_repr(tmp_path):
+    program = tmp_path / "odd_extra.py"
+    program.write_text(
+        "from programs import best_of_n\n"
+        "def run(problem, config, runtimes):\n"
+        "    result = best_of_n.run(problem, config, runtimes)\n"
+        "    result.extra['seen'] = {problem.id}\n"
+        "    return result\n")
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path), n_values=[2],
+                                  arms=[{"name": "odd", "overrides": {"search": {"program": str(program)}}}])
+    assert run(experiment, tmp_path / "run").complete
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
+    assert sorted(r["result"]["extra"]["seen"] for r in rows) == [f"{{'p{i}'}}" for i in range(len(GOLDS))]

@@ -2,6 +2,7 @@
 provenance of the model, runtime reuse between arms, and a runtime killed mid-run that is restarted."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -85,7 +86,9 @@ def test_real_runtime_run_with_a_killed_runtime(tmp_path, monkeypatch):
         assert generator["model"] == "tiny-random" and generator["precision"] == "float32"
         assert generator["revision"] == {"source": "random", "seed": 0}
         assert row["provenance"]["models"]["tokenizer"]["vocab_size"] > 1000
-        assert row["timing"]["runtime_start_s"] > 1
+        if not row["timing"]["runtimes_reused"]:
+            assert row["timing"]["runtime_start_s"] > 1, "a real start-up was timed"
     beam = [r for r in rows if r["arm"] == "beam"]
     assert all(r["timing"]["runtimes_reused"] == ["generator"] for r in beam), "same settings: runtime kept"
-    assert "runtime start (model load), s" in outcome.summary
+    assert re.search(r"\| runtime start \(model load\), s \| [\d.,]+ \| – \|", outcome.summary), \
+        "the baseline arm timed its start-up, the other reused its runtime"

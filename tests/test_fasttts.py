@@ -61,9 +61,10 @@ def test_baseline_is_fcfs_without_priorities_and_a_50_50_split():
 
 
 def test_p_sets_the_plugin_policy_and_s_enables_priority_scheduling():
-    settings = configure_runtimes(from_label("P+S"), SEARCH, SMOL, SMOL)
+    settings = configure_runtimes(from_label("P+S", standard_priority=30), SEARCH, SMOL, SMOL)
     assert settings.generator.env[ENV_POLICY] == "prefix"
-    assert settings.generator.extra_args.count(PRIORITY_FLAG) == 1
+    assert settings.generator.extra_args == [PRIORITY_FLAG, "--default-priority-value", "30",
+                                             "--retraction-policy", "priority"]
     assert settings.split == "as configured" and settings.generator.max_total_tokens is None
     again = configure_runtimes(from_label("S"), SEARCH, settings.generator, None)
     assert again.generator.extra_args.count(PRIORITY_FLAG) == 1, "the flag is not added twice"
@@ -153,3 +154,53 @@ def test_p_tags_every_request_with_its_place_in_the_tree():
             previous = {t.beam_id: text for t, text in by_iteration[iteration - 1]}
             for tag, text in requests:
                 assert text.startswith(previous[tag.parent_id]) and text != previous[tag.parent_id]
+
+
+def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch):
+    from sgl_tts import session as session_module
+    from sgl_tts.scoring import ScorerConfig
+    from sgl_tts.session import Session
+    from sgl_tts.speculation import SPECULATION_CLIENT
+
+    started = []
+
+    class FakeRuntime:
+        def __init__(self, config, name):
+            self.config, self.name, self.model_path = config, name, "model"
+            self.url, self.stopped = f"http://127.0.0.1:1/{name}{len(started)}", False
+
+        def wait_ready(self):
+            pass
+
+        def alive(self):
+            return not self.stopped
+
+        def stop(self):
+            self.stopped = True
+
+    def start(config, name="generator", log_dir=None, wait=True):
+        started.append(FakeRuntime(config, name))
+        return started[-1]
+
+    monkeypatch.setattr(session_module.Runtime, "start", staticmethod(start))
+    monkeypatch.setattr("sgl_tts.backend.TTSEndpoint", lambda runtime: ("endpoint", runtime))
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: None)
+    base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH)
+    arm = lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=100, hardware="rtx4090"))
+
+    first = Session(arm("baseline"))
+    assert [r.name for r in started] == ["generator", "scorer"]
+    generator, scorer = first.runtimes["generator"], first.runtimes["scorer"]
+    second = Session(arm("P"), reuse=first.detach())  # P changes the generator's env only
+    assert second.runtimes["scorer"] is scorer and second.runtimes["generator"] is not generator
+    assert generator.stopped and not scorer.stopped and len(started) == 3
+    third = Session(arm("P+M+S"), reuse=second.detach())  # M changes both budgets
+    assert len(started) == 5 and scorer.stopped and second.runtimes == {}
+    assert third.fasttts.split == "roofline"
+    assert third.runtimes["generator"].config == third.fasttts.generator
+    assert third.search_runtimes.extras[FASTTTS].speculative
+    assert third.search_runtimes.extras[SPECULATION_CLIENT].runtime is third.runtimes["generator"]
+    same = Session(arm("P+M+S"), reuse=third.detach())
+    assert len(started) == 5, "identical settings reuse both runtimes"
+    same.close()
+    assert all(r.stopped for r in started)

@@ -515,3 +515,37 @@ def test_program_settings_are_validated():
                          ("granularity_margin", 1.5)]:
         with pytest.raises(ValueError, match=field):
             SearchConfig(**{field: value})
+
+
+class DyingGenerator(ScriptedBackend):
+    """The scripted generator whose runtime dies when the search asks for a step beyond `steps`."""
+
+    def __init__(self, steps: int):
+        super().__init__(ScriptedModel())
+        self.steps = steps
+
+    def generate(self, s, sampling_params):
+        if s.text_.count(self.model.delimiter) - PROMPT.count(self.model.delimiter) >= self.steps:
+            raise RuntimeDiedError("runtime 'generator' at http://127.0.0.1:9 exited with code -9")
+        return super().generate(s, sampling_params)
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts", "dynamic_branching", "varying_granularity"])
+def test_generator_dying_mid_search_keeps_finished_candidates(program):
+    config = SearchConfig(program=program, n=8, beam_width=2, max_steps=6, max_tokens=10_000, granularity=1)
+    full = solve(program, config, fake()[0])
+    runtimes = dataclasses.replace(fake()[0], generator=DyingGenerator(steps=2))
+    with pytest.raises(SearchError, match="runtime 'generator' at http://127.0.0.1:9 exited") as info:
+        solve(program, config, runtimes)
+    partial = info.value.result
+    assert sorted(c.text for c in partial.candidates) == sorted(c.text for c in full.candidates if len(c.steps) <= 2)
+    assert partial.candidates, "the scripted tree finishes some paths within two steps"
+
+
+def test_cli_lists_all_seven_programs(capsys):
+    from sgl_tts.cli import main
+
+    assert main(["programs"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert set(PROGRAMS) | {"rsd"} <= set(listed)
+    assert "independent subtrees" in listed["dvts"] and "no verifier" in listed["self_consistency"]

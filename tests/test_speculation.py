@@ -192,8 +192,8 @@ def test_lookahead_verifies_whole_speculative_steps_early_without_changing_the_s
 
 
 def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard_child_finishes():
-    # Speculative tokens are slow (a step takes about a second): a search that waited for them would show.
-    result, backend, _ = run(from_label("P+S"), speculative_delay_s=lambda done, variant: 0.15)
+    # Speculative tokens are slow (a step takes a second or more): a search that waited for them would show.
+    result, backend, _ = run(from_label("P+S"), speculative_delay_s=lambda done, variant: 0.3)
     batch = SEARCH.n  # every iteration runs n standard children
     assert backend.peak_running and all(std + spec <= batch for std, spec in backend.peak_running), \
         "speculation never runs in more slots than the standard requests have left"
@@ -207,12 +207,13 @@ def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard
         tag = decode_rid(entry["rid"])
         assert tag.speculative and tag.iteration >= 1 and tag.priority_bin >= 1
         last_standard_end = max(e["end"] for e in standard[tag.iteration - 1])
-        assert entry["start"] < last_standard_end + 0.05, "speculation only while standard work runs"
-        assert entry["reason"] == "abort" or entry["end"] - entry["start"] >= 0.15, "aborted, or ran to a stop"
+        # (The tolerances allow for thread scheduling on a busy machine; a speculative step takes >= 0.9 s.)
+        assert entry["start"] < last_standard_end + 0.1, "speculation only while standard work runs"
+        assert entry["reason"] == "abort" or entry["end"] - entry["start"] >= 0.3, "aborted, or ran to a stop"
         if entry["reason"] == "abort":
             abort = aborts[entry["rid"]]
-            assert last_standard_end <= abort < last_standard_end + 0.1, "aborted when the last child ends"
-            assert entry["end"] < abort + 0.05
+            assert last_standard_end <= abort < last_standard_end + 0.3, "aborted when the last child ends"
+            assert entry["end"] < abort + 0.3, "an aborted request stops at once"
         # The next iteration's standard work starts after every speculative request has stopped.
         assert all(e["start"] >= entry["end"] for e in standard.get(tag.iteration, []))
     stats = result.extra["speculation"]

@@ -1,0 +1,60 @@
+"""Speculative beam extension against a real SGLang CPU runtime (the shared tiny-model runtime): what an
+aborted request returns, and a beam search with S on whose speculative requests are sent, aborted and
+reused as head starts through HTTP."""
+
+import threading
+import time
+
+import pytest
+
+from eval.datasets import Problem
+from sgl_tts.fasttts import FASTTTS, from_label
+from sgl_tts.registry import load_program
+from sgl_tts.search import SearchConfig
+from sgl_tts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
+
+pytestmark = pytest.mark.runtime
+
+
+def test_an_aborted_request_returns_its_partial_text(tiny_runtime):
+    client = HttpSpeculationClient(tiny_runtime)
+    answer = {}
+
+    def long_request():
+        answer["out"] = client.speculate("Once upon a time", {"max_new_tokens": 1500, "ignore_eos": True,
+                                                              "temperature": 0.8}, {"rid": "spec-abort-test"})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(2.0)
+    aborted_at = time.monotonic()
+    client.abort("spec-abort-test")
+    thread.join(timeout=60)
+    assert not thread.is_alive() and time.monotonic() - aborted_at < 30, "the abort stops the request"
+    text, meta = answer["out"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 1500 and text, "the tokens generated so far come back"
+    client.abort("spec-abort-test")  # aborting a finished request is a no-op
+
+
+def test_beam_search_with_speculation_on_a_real_runtime(tiny_search_runtimes, tiny_runtime):
+    from transformers import AutoTokenizer
+
+    runtimes = tiny_search_runtimes
+    tokenizer = AutoTokenizer.from_pretrained(tiny_runtime.model_path)
+    extras = {FASTTTS: from_label("P+S"), SPECULATION_CLIENT: HttpSpeculationClient(tiny_runtime),
+              TOKEN_SPLITTER: token_splitter(tokenizer)}
+    runtimes = type(runtimes)(generator=runtimes.generator, scorer=runtimes.scorer, prompt=runtimes.prompt,
+                              extras=extras)
+    # The random-weight model often emits a space: a space delimiter gives short steps of irregular length,
+    # so children finish early and speculation fills their slots.
+    config = SearchConfig(n=8, beam_width=2, max_steps=4, max_step_tokens=12, max_tokens=48, step_delimiter=" ")
+    result = load_program("beam_search")(Problem(id="t1", question="What is 2 + 3?", gold="5"), config, runtimes)
+    stats = result.extra["speculation"]
+    assert stats["failed"] == 0 and stats["abandoned"] == 0, stats
+    assert stats["launched"] > 0 and stats["launched"] == stats["whole"] + stats["aborted"], stats
+    assert stats["tokens"] <= result.generated_tokens
+    assert result.candidates
+    for candidate in result.candidates:
+        assert len(candidate.step_scores) == len(candidate.steps) <= config.max_steps
+        assert candidate.tokens <= config.max_tokens
