@@ -4,9 +4,11 @@ Beam search on the bundled problems with the run config's models (SmolLM2 genera
 verifier on their own co-located runtimes), for each n and each arm: the baseline (FCFS, no speculation,
 a static 50/50 split of a KV budget small enough to force evictions), then P, P+M, P+M+S. One run, one
 process; a runtime is restarted only when an arm needs other settings for it (arms outer, n inner, so the
-n values of an arm share its runtimes), and every runtime's radix cache is flushed before each arm and n.
+n values of an arm share its runtimes); before each arm and n a short search warms the runtimes up and
+every runtime's radix cache is flushed.
 Prints precise goodput (mean over problems), p50 completion latency and the generator's cache hit rate,
-with ratios to the baseline at the same n.
+with ratios to the baseline at the same n, and beside them the CPU seconds the arm used per problem and the
+machine's load average while it ran (on a shared machine other work moves the wall-clock numbers).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import threading
 import time
 from typing import Any
 
@@ -38,6 +42,52 @@ def _flush_caches(runtimes: dict[str, Any]) -> None:
         with urllib.request.urlopen(urllib.request.Request(runtime.url + "/flush_cache?timeout=60", method="POST"),
                                     timeout=60) as response:
             response.read()
+
+
+class RunMonitor:
+    """While an arm runs: the machine's mean 1-minute load average and the CPU seconds used by the runtimes'
+    processes and this one. On a shared machine the wall-clock numbers move with other work; these say how
+    much there was, and how much computing the arm itself did."""
+
+    def __init__(self, runtimes: dict[str, Any], every_s: float = 2.0):
+        self.pgids = [runtime.process.pid for runtime in runtimes.values()]
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self.cpu_s = 0.0
+        self._stop = threading.Event()
+
+    def _cpu(self) -> float:
+        from sgl_tts.runtime import group_members
+
+        ticks = 0
+        for pgid in self.pgids:
+            for pid in group_members(pgid):
+                try:
+                    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK") + time.process_time()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "RunMonitor":
+        self._cpu_start = self._cpu()
+        self.samples.append(os.getloadavg()[0])
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cpu_s = self._cpu() - self._cpu_start
+
+    @property
+    def load(self) -> float:
+        return sum(self.samples) / len(self.samples)
 
 
 def measure(results: list[Any]) -> dict[str, Any]:
@@ -65,7 +115,7 @@ def measure(results: list[Any]) -> dict[str, Any]:
 def format_table(rows: dict[tuple[str, int], dict[str, Any]], ns: list[int], arms: list[str]) -> str:
     """Goodput, p50 latency and cache hit rate per (n, arm), with ratios to the baseline at that n."""
     lines = [f"{'n':>4s}  {'arm':<8s} {'goodput tok/s':>13s} {'x base':>7s} {'p50 latency s':>14s} "
-             f"{'x base':>7s} {'cache hit':>9s} {'gen s':>7s} {'ver s':>7s}"]
+             f"{'x base':>7s} {'cache hit':>9s} {'gen s':>7s} {'ver s':>7s} {'cpu s':>7s} {'load':>5s}"]
     for n in ns:
         base = rows.get(("baseline", n))
         for arm in arms:
@@ -77,7 +127,8 @@ def format_table(rows: dict[tuple[str, int], dict[str, Any]], ns: list[int], arm
                 else float("nan")
             lines.append(f"{n:4d}  {arm:<8s} {row['goodput']:13.3f} {goodput_ratio:6.2f}x "
                          f"{row['p50_latency_s']:14.1f} {latency_ratio:6.2f}x {row['cache_hit_rate']:9.3f} "
-                         f"{row['generator_s']:7.1f} {row['verifier_s']:7.1f}")
+                         f"{row['generator_s']:7.1f} {row['verifier_s']:7.1f} {row.get('cpu_s', 0.0):7.1f} "
+                         f"{row.get('load', 0.0):5.1f}")
     return "\n".join(lines)
 
 
@@ -97,6 +148,7 @@ def run_bench(args: argparse.Namespace) -> int:
           f"delimiter={base.search.step_delimiter!r} KV budget {args.kv_budget_mib} MiB "
           f"concurrency={args.concurrency}", flush=True)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
+    records: dict[tuple[str, int], list[dict[str, Any]]] = {}
     reuse: dict[str, Any] = {}
     began = time.monotonic()
     try:
@@ -111,15 +163,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 try:
                     print(f"[{arm} n={n}] runtimes ready in {time.monotonic() - started:.0f} s; "
                           f"{describe_settings(session.fasttts)}", flush=True)
+                    # A short search warms freshly started runtimes up, then no arm starts with a warm cache.
+                    session.solve(problems[0], dataclasses.replace(config.search, n=2, max_steps=1))
                     _flush_caches(session.runtimes)
-                    results = [result for _, result in session.solve_all(problems)]
+                    with RunMonitor(session.runtimes) as monitor:
+                        results = [result for _, result in session.solve_all(problems)]
                 finally:
                     reuse = session.detach()  # kept running for the next arm, stopped at the end
-                rows[(arm, n)] = measure(results)
-                row = rows[(arm, n)]
+                row = rows[(arm, n)] = measure(results)
+                row.update(cpu_s=monitor.cpu_s / max(1, len(results)), load=monitor.load)
+                records[(arm, n)] = [result.to_dict() for result in results]
                 print(f"[{arm} n={n}] goodput {row['goodput']:.3f} tok/s, p50 {row['p50_latency_s']:.1f} s, "
                       f"cache hit {row['cache_hit_rate']:.3f}, generator {row['generator_s']:.1f} s, "
-                      f"verifier {row['verifier_s']:.1f} s, errors {row['errors']}"
+                      f"verifier {row['verifier_s']:.1f} s, CPU {row['cpu_s']:.0f} s per problem, "
+                      f"load {row['load']:.1f}, errors {row['errors']}"
                       + (f", speculation {row['speculation']}" if row["speculation"] else ""), flush=True)
     finally:
         for runtime in reuse.values():
@@ -129,7 +186,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args) | {"func": None},
-                       "rows": [{"arm": arm, "n": n, **row} for (arm, n), row in rows.items()]}, f, indent=2)
+                       "rows": [{"arm": arm, "n": n, **row, "results": records[(arm, n)]}
+                                for (arm, n), row in rows.items()]}, f, indent=2)
         print(f"wrote {args.out}")
     return 0
 
@@ -139,14 +197,14 @@ def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
     parser.add_argument("--ns", default="8,16", help="comma-separated beam counts n")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms (baseline or P/M/S joined by +)")
-    parser.add_argument("--problems", type=int, default=1, help="bundled problems per (arm, n)")
+    parser.add_argument("--problems", type=int, default=2, help="bundled problems per (arm, n)")
     parser.add_argument("--concurrency", type=int, default=1, help="problems searched at once")
     parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam (B)")
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--max-step-tokens", type=int, default=24)
     parser.add_argument("--step-delimiter", default="\\n",
                         help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
-    parser.add_argument("--kv-budget-mib", type=float, default=48.0,
+    parser.add_argument("--kv-budget-mib", type=float, default=24.0,
                         help="KV memory shared by generator and verifier (small enough to force evictions)")
     parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
     parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")
@@ -154,6 +212,6 @@ def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--truncation-ratio", type=float, default=0.85, help="R for duplicates' head starts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--out", default=None, help="write the rows and the search results as JSON here")
     parser.set_defaults(func=run_bench)
     return parser

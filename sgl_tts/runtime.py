@@ -115,11 +115,12 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
 
 
 def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
-    """POST `payload` (or GET when None) and decode the JSON answer."""
+    """POST `payload` (or GET when None) and decode the JSON answer (None for an empty body)."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+        body = response.read()
+    return json.loads(body) if body.strip() else None
 
 
 class Runtime:

@@ -13,9 +13,9 @@ One beam-search iteration with S on (`SpeculativeSteps.step`):
 3. The moment the last standard child finishes, every speculative request still running is aborted
    (`POST /abort_request`), so speculation adds no tail latency; SGLang answers an aborted request with
    the text generated so far and finish_reason type "abort".
-4. The verifier scores the standard steps only (algorithmic equivalence). With LookAhead, a speculative
-   whole next step is verified in the same request as its child's step, and that score is reused if the
-   child is selected. Aborted requests' partial texts are collected while the verifier runs.
+4. The verifier scores the standard steps only (algorithmic equivalence). With LookAhead, a child's
+   speculative whole next step is verified in the same request as the child's step, and that score is
+   reused if the child is selected. Aborted requests' partial texts are collected while the verifier runs.
 """
 
 from __future__ import annotations
@@ -403,20 +403,21 @@ class SpeculativeSteps(SearchSteps):
     # ---- verification ----
 
     def _score(self, scorer: Any, prompt: str, state: _Round) -> None:
-        """Score every child's new step; with LookAhead, verify each whole speculative step in the same
-        request as its child's steps (the child's own scores come from the first such request)."""
+        """Score every child's new step (children whose step was verified with their parent are done). With
+        LookAhead the child's first whole speculative step rides along in the child's request: one request,
+        its scores for the child's steps, and the next step's score kept for the copy that takes it."""
         requests: list[tuple[Path, Path, Branch | None]] = []  # (child, what the verifier scores, branch)
         for slot, child in enumerate(state.children):
-            unscored = len(child.step_scores) < len(child.steps)
+            if len(child.step_scores) == len(child.steps):
+                continue
             whole = [b for b in state.branches.get(slot, []) if b.whole] if self.fast.lookahead and child.active else []
-            if unscored and not whole:
+            if whole:
+                step = whole[0].text + (self.config.step_delimiter if whole[0].ended == "step" else "")
+                requests.append((child, Path(state=None, steps=[*child.steps, step]), whole[0]))
+            else:
                 requests.append((child, child, None))
-            for branch in whole:
-                step = branch.text + (self.config.step_delimiter if branch.ended == "step" else "")
-                requests.append((child, Path(state=None, steps=[*child.steps, step]), branch))
         self.tracker.score(scorer, prompt, [scored for _, scored, _ in requests])
         for child, scored, branch in requests:
-            if len(child.step_scores) < len(child.steps):
-                child.step_scores = scored.step_scores[: len(child.steps)]
+            child.step_scores = scored.step_scores[: len(child.steps)]
             if branch is not None:
                 branch.score = scored.step_scores[-1]

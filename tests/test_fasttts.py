@@ -204,3 +204,25 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
     assert len(started) == 5, "identical settings reuse both runtimes"
     same.close()
     assert all(r.stopped for r in started)
+
+
+def test_bench_rows_and_ratios_to_the_baseline():
+    from sgl_tts.bench_fasttts import format_table, measure
+    from sgl_tts.records import Candidate, SearchResult
+
+    def result(tokens, seconds, speculation=None):
+        candidate = Candidate(steps=["a"], step_scores=[0.5], score=0.5, answer="4", tokens=tokens,
+                              completion_time_s=seconds, finish_reason="answer")
+        return SearchResult(problem_id="p", program="beam_search", answer="4", candidates=[candidate],
+                            prompt_tokens=100, cached_tokens=90, total_time_s=seconds,
+                            extra={"speculation": speculation} if speculation else {})
+
+    base = measure([result(10, 10.0), result(30, 10.0)])
+    assert base["goodput"] == pytest.approx(2.0) and base["p50_latency_s"] == 10.0
+    assert base["cache_hit_rate"] == pytest.approx(0.9)
+    fast = measure([result(10, 2.0, {"launched": 3}), result(30, 6.0, {"launched": 2})])
+    assert fast["goodput"] == pytest.approx(5.0) and fast["speculation"] == {"launched": 5}
+    table = format_table({("baseline", 8): base, ("P+M+S", 8): fast}, [8], ["baseline", "P", "P+M+S"])
+    lines = table.splitlines()
+    assert len(lines) == 3, "a header, then one line per measured arm"
+    assert "1.00x" in lines[1] and "2.50x" in lines[2] and "0.40x" in lines[2]

@@ -185,10 +185,9 @@ def test_lookahead_verifies_whole_speculative_steps_early_without_changing_the_s
     # Every path the plain search verified was verified: as sent, or inside a lookahead request holding
     # one step more. Children whose step came whole and verified from speculation are not sent again.
     assert plain_prefixes <= spec_prefixes | {p[:-1] for p in spec_prefixes}
-    lookahead_children = sum(1 for p in plain_prefixes if p not in spec_prefixes)
-    assert lookahead_children > 0
-    assert all(len(p) >= 1 and p[:-1] in {q[:-1] for q in spec_prefixes} | plain_prefixes | {()}
-               for p in spec_prefixes - plain_prefixes)
+    assert any(p not in spec_prefixes for p in plain_prefixes), "some children rode along a lookahead request"
+    # A whole step rides along its child's request: never more verifier requests than without S.
+    assert sum(map(len, spec_scorer.calls)) == sum(map(len, plain_scorer.calls)) - stats["lookahead_scores"]
 
 
 def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard_child_finishes():
@@ -256,7 +255,7 @@ def test_duplicates_continue_a_truncated_head_start_within_the_step_budget():
         head = word_pieces(entry["text"][cut:])
         assert entry["budget"] == SEARCH.max_step_tokens - len(head), "the head start counts against the step"
         steps = ["".join(pieces) for pieces, _ in backend.drawn[entry["text"][:cut]].values()]
-        assert any(step.startswith("".join(head)) and step != "".join(head) for step in steps)
+        assert any(step.startswith("".join(head)) for step in steps), "a head start begins a drawn step"
     for candidate in result.candidates:
         assert all(len(word_pieces(step)) <= SEARCH.max_step_tokens for step in candidate.steps)
 
