@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
 import os
 import re
 import socket
@@ -27,6 +26,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
+
+from sgl_tts.records import parse_json_object
 
 
 class DatasetError(ValueError):
@@ -164,9 +165,7 @@ def read_jsonl(path: str | Path, skip_malformed: bool = False) -> tuple[list[tup
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw.decode("utf-8"))
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+                record = parse_json_object(raw)
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 if skip_malformed:
                     skipped += 1

@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sgl_tts.records import parse_json_object
+
 logger = logging.getLogger(__name__)
 
 RUN = "run"
@@ -79,9 +81,7 @@ class ResultStore:
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw.decode("utf-8"))
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+                record = parse_json_object(raw)
             except ValueError as exc:
                 logger.warning("%s:%d: skipping a torn or damaged line (%s)", self.path, number, exc)
                 self.skipped_lines += 1

@@ -28,7 +28,7 @@ class TTSEndpoint(RuntimeEndpoint):
         """One /generate request for the state's text: RuntimeEndpoint's body plus our request fields."""
         from sglang.lang.global_config import global_config
 
-        from sgl_tts.runtime import http_json
+        from sgl_tts.runtime import http_json, request_timeout
 
         self._handle_dtype_to_regex(sampling_params)
         body: dict[str, Any] = {
@@ -45,7 +45,7 @@ class TTSEndpoint(RuntimeEndpoint):
                 body[item] = value
         body.update(s.variables.get(REQUEST_FIELDS) or {})
         try:
-            answer = http_json(self.base_url + "/generate", body)
+            answer = http_json(self.base_url + "/generate", body, timeout=request_timeout(self.runtime))
         except OSError as exc:
             self.runtime.check_alive()
             raise RuntimeError(f"generator runtime '{self.runtime.name}' at {self.base_url} failed: {exc}") from exc

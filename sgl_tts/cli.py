@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import Sequence
 
 
@@ -96,8 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (`kill`, a job scheduler, a notebook kernel restart) stops a command the way Ctrl-C does:
+    runtimes are stopped, finished results stay saved and an eval writes its partial summary. Without this
+    the process would die at once and leave its runtime servers running (they are in their own sessions)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()
     from eval.datasets import DatasetError
     from sgl_tts.config import ConfigError
     from sgl_tts.models import ModelNotFoundError

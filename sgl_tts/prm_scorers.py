@@ -20,7 +20,7 @@ import re
 from abc import abstractmethod
 from typing import Any, Sequence
 
-from sgl_tts.runtime import RuntimeConfig, http_json
+from sgl_tts.runtime import RuntimeConfig, http_json, request_timeout
 from sgl_tts.scoring import ScorerConfig, ScorerError, StepScorer
 
 
@@ -55,7 +55,7 @@ class _RuntimePRM(StepScorer):
 
     def post(self, route: str, payload: dict[str, Any]) -> Any:
         try:
-            return http_json(self.runtime.url + route, payload)
+            return http_json(self.runtime.url + route, payload, timeout=request_timeout(self.runtime))
         except OSError as exc:
             self.runtime.check_alive()  # a dead runtime raises RuntimeDiedError naming it
             raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
@@ -201,7 +201,8 @@ class ClassifierPRMScorer(_RuntimePRM):
         texts = [build_prm_text(question, [step.replace(step_token, "") for step in steps],
                                 self.config.system_prompt or SYSTEM_PROMPT, step_token) for steps in paths]
         try:
-            rewards = batch_classifier_step_rewards(self.runtime.url, texts, self.step_token_id)
+            rewards = batch_classifier_step_rewards(self.runtime.url, texts, self.step_token_id,
+                                                    timeout=request_timeout(self.runtime))
         except OSError as exc:
             self.runtime.check_alive()
             raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc

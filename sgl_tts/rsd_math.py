@@ -12,7 +12,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 WeightingFn = Callable[[float, "RSDConfig"], float]
 
@@ -158,23 +158,23 @@ class StepRecord:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
+def _sum_by_model(records: Iterable[StepRecord], quantity: str, zero: float) -> dict[str, Any]:
+    """Per model, the sum of the records' `<model>_<quantity>` fields."""
+    totals = dict.fromkeys(MODELS, zero)
+    for record in records:
+        for model in MODELS:
+            totals[model] += getattr(record, f"{model}_{quantity}")
+    return totals
+
+
 def tokens_by_model(records: Iterable[StepRecord]) -> dict[str, int]:
     """Tokens processed per model, rejected draft proposals included."""
-    totals = dict.fromkeys(MODELS, 0)
-    for record in records:
-        totals["draft"] += record.draft_tokens
-        totals["target"] += record.target_tokens
-        totals["prm"] += record.prm_tokens
-    return totals
+    return _sum_by_model(records, "tokens", 0)
 
 
 def time_by_model(records: Iterable[StepRecord]) -> dict[str, float]:
-    totals = dict.fromkeys(MODELS, 0.0)
-    for record in records:
-        totals["draft"] += record.draft_time_s
-        totals["target"] += record.target_time_s
-        totals["prm"] += record.prm_time_s
-    return totals
+    """Seconds spent per model."""
+    return _sum_by_model(records, "time_s", 0.0)
 
 
 def rejected_draft_tokens(records: Iterable[StepRecord]) -> int:

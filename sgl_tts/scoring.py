@@ -80,7 +80,7 @@ class LikelihoodScorer(StepScorer):
         return ids, starts
 
     def _score_path(self, prompt: str, steps: Sequence[str]) -> list[float]:
-        from sgl_tts.runtime import http_json
+        from sgl_tts.runtime import http_json, request_timeout
 
         ids, starts = self._tokenize(prompt, steps)
         if not steps:
@@ -93,7 +93,7 @@ class LikelihoodScorer(StepScorer):
             "logprob_start_len": first - 1,
         }
         try:
-            answer = http_json(self.runtime.url + "/generate", payload)
+            answer = http_json(self.runtime.url + "/generate", payload, timeout=request_timeout(self.runtime))
         except OSError as exc:
             self.runtime.check_alive()
             raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc

@@ -18,7 +18,7 @@ from sgl_tts.fasttts import FastTTSConfig, configure_runtimes, search_extras
 from sgl_tts.records import SearchResult
 from sgl_tts.registry import load_program
 from sgl_tts.rsd_math import RSDConfig
-from sgl_tts.runtime import Runtime, RuntimeConfig
+from sgl_tts.runtime import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring import ScorerConfig, make_scorer
 from sgl_tts.search import Runtimes, SearchConfig
 
@@ -96,6 +96,7 @@ class Session:
         wanted["generator"] = self.fasttts.generator
         if self.fasttts.verifier is not None:
             wanted["scorer"] = self.fasttts.verifier
+        wanted = share_cpu_cores(wanted)
         # Start all processes first, then wait: start-ups overlap.
         for name, runtime_config in wanted.items():
             previous = self._reuse.pop(name, None)

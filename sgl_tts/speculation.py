@@ -67,10 +67,11 @@ class HttpSpeculationClient(SpeculationClient):
         self.runtime = runtime
 
     def speculate(self, text: str, sampling_params: dict[str, Any], fields: dict[str, Any]) -> tuple[str, dict]:
-        from sgl_tts.runtime import http_json
+        from sgl_tts.runtime import http_json, request_timeout
 
         answer = http_json(self.runtime.url + "/generate",
-                           {"text": text, "sampling_params": sampling_params, **fields})
+                           {"text": text, "sampling_params": sampling_params, **fields},
+                           timeout=request_timeout(self.runtime))
         return answer["text"], answer["meta_info"]
 
     def abort(self, rid: str) -> None:

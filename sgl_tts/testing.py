@@ -13,6 +13,7 @@ import hashlib
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from sglang.lang.backend.base_backend import BaseBackend
@@ -132,3 +133,18 @@ class ScriptedScorer(StepScorer):
             self._count(sum(len(s) for s in steps))
             out.append([self.step_score(prompt, steps[: i + 1]) for i in range(len(steps))])
         return out
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Pids of live processes whose environment holds `name=value`: a test exports a unique tag before it
+    starts runtimes (children inherit it) and then checks that none is left running."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from eval.experiment import load_experiment
@@ -97,12 +98,13 @@ def test_sigkill_mid_run_then_restart_loses_nothing_and_duplicates_nothing(tmp_p
     assert {r["provenance"]["run_id"] for r in records} == {runs[0]["run_id"], runs[1]["run_id"]}
 
 
-def test_ctrl_c_keeps_what_is_done_and_writes_a_partial_summary(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_keeps_what_is_done_and_writes_a_partial_summary(tmp_path, stop_signal):
     config = write_config(tmp_path, 0.3)
     out = tmp_path / "run"
     process = start(config, out)
     wait_for_results(process, out / "results.jsonl", at_least=2)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop_signal)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
     assert "interrupted" in output and "PARTIAL" in output

@@ -7,7 +7,6 @@ import signal
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -16,19 +15,7 @@ from eval.experiment import load_experiment
 from eval.report import row_key
 from eval.results import ResultStore
 from eval.runner import EvalRun
-
-
-def processes_tagged(tag):
-    needle = f"SGL_TTS_EVAL_TAG={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+from sgl_tts.testing import processes_with_env
 
 
 @pytest.mark.runtime
@@ -65,7 +52,7 @@ def test_real_runtime_run_with_a_killed_runtime(tmp_path, monkeypatch):
     try:
         outcome = run.run()
     finally:
-        leftovers = processes_tagged(tag)
+        leftovers = processes_with_env("SGL_TTS_EVAL_TAG", tag)
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
     assert killed, "the generator was killed mid-run"

@@ -159,6 +159,7 @@ def test_p_tags_every_request_with_its_place_in_the_tree():
 def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch):
     from sgl_tts import session as session_module
     from sgl_tts.scoring import ScorerConfig
+    from sgl_tts.runtime import share_cpu_cores
     from sgl_tts.session import Session
     from sgl_tts.speculation import SPECULATION_CLIENT
 
@@ -197,7 +198,10 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
     third = Session(arm("P+M+S"), reuse=second.detach())  # M changes both budgets
     assert len(started) == 5 and scorer.stopped and second.runtimes == {}
     assert third.fasttts.split == "roofline"
-    assert third.runtimes["generator"].config == third.fasttts.generator
+    # the planned generator settings, with the CPU cores split between the two runtimes
+    planned = share_cpu_cores({"generator": third.fasttts.generator, "scorer": third.fasttts.verifier})
+    assert third.runtimes["generator"].config == planned["generator"]
+    assert third.runtimes["generator"].config.max_total_tokens == third.fasttts.generator.max_total_tokens
     assert third.search_runtimes.extras[FASTTTS].speculative
     assert third.search_runtimes.extras[SPECULATION_CLIENT].runtime is third.runtimes["generator"]
     same = Session(arm("P+M+S"), reuse=third.detach())

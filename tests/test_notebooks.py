@@ -6,21 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from sgl_tts.testing import processes_with_env
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-
-
-def processes_tagged(tag):
-    """Pids of live processes whose environment carries `SGL_TTS_NOTEBOOK_TAG=tag` (runtimes the kernel started)."""
-    needle = f"SGL_TTS_NOTEBOOK_TAG={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def outputs_text(cell):
@@ -41,7 +29,7 @@ def test_quickstart_runs_headless_and_shows_tree_and_plot(tmp_path, monkeypatch)
     try:
         client.execute()  # raises CellExecutionError naming the cell if any cell fails
     finally:
-        leftovers = processes_tagged(tag)
+        leftovers = processes_with_env("SGL_TTS_NOTEBOOK_TAG", tag)
         for pid in leftovers:  # only processes this test's kernel started
             try:
                 os.kill(pid, 9)

@@ -275,3 +275,33 @@ def test_classifier_scorer_matches_reference_prm(tmp_path_factory):
     for steps, got in zip(PATHS, served):
         want = reference.step_rewards(build_prm_text(QUESTION, steps))
         assert len(got) == len(steps) and got == pytest.approx(want, abs=TOLERANCE), f"{got} vs {want}"
+
+
+def test_a_runtime_that_does_not_answer_fails_after_its_request_timeout(tokenizer, prompt):
+    """A scorer request to a runtime that accepts the connection but never answers fails after the runtime's
+    `request_timeout_s` with an error naming the runtime, instead of hanging for the 600 s default."""
+    import socket
+    import time
+
+    from sgl_tts.runtime import RuntimeConfig
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+
+        class SilentRuntime(NoRuntime):
+            url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            config = RuntimeConfig(request_timeout_s=0.5)
+
+        scorer = LikelihoodScorer(SilentRuntime(), tokenizer)
+        started = time.monotonic()
+        with pytest.raises(ScorerError, match="scorer runtime 'prm'"):
+            scorer.score(prompt, [PATHS[0]])
+        assert time.monotonic() - started < 30
+
+
+def test_request_timeout_must_be_positive():
+    from sgl_tts.runtime import RuntimeConfig
+
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        RuntimeConfig(request_timeout_s=0)
