@@ -35,8 +35,9 @@ if [ ! -f "$venv/.sgl-tts-complete" ]; then
     touch "$venv/.sgl-tts-complete"
 fi
 
-# Point the environment at this checkout (cheap; a new clone re-points it).
-installed=$("$venv/bin/python" -c "import sgl_tts, pathlib; print(pathlib.Path(sgl_tts.__file__).resolve().parent.parent)" 2>/dev/null || true)
+# Point the environment at this checkout (cheap; a new clone re-points it). Asked from outside the
+# checkout: run here, Python would find this checkout's sgl_tts first whatever the install points at.
+installed=$(cd / && "$venv/bin/python" -c "import sgl_tts, pathlib; print(pathlib.Path(sgl_tts.__file__).resolve().parent.parent)" 2>/dev/null || true)
 if [ "$installed" != "$(pwd -P)" ]; then
     "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
 fi
