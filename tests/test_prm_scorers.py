@@ -151,8 +151,8 @@ def test_classifier_scorer_wraps_the_client(monkeypatch, prompt):
 
     calls = []
 
-    def fake_rewards(url, texts, step_token_id):
-        calls.append((url, list(texts), step_token_id))
+    def fake_rewards(url, texts, step_token_id, timeout):
+        calls.append((url, list(texts), step_token_id, timeout))
         return [[0.25] * text.count(STEP_TOKEN) for text in texts]
 
     monkeypatch.setattr(client, "batch_classifier_step_rewards", fake_rewards)
@@ -163,8 +163,8 @@ def test_classifier_scorer_wraps_the_client(monkeypatch, prompt):
     scorer = ClassifierPRMScorer(ScorerConfig(kind="classifier"), NoRuntime(), tokenizer)
     paths = [["a\n\n", f"b {STEP_TOKEN}\n\n"], ["c"]]
     assert scorer.score(prompt, paths) == [[0.25, 0.25], [0.25]]
-    url, texts, step_id = calls[0]
-    assert (url, step_id) == (NoRuntime.url, 7)
+    url, texts, step_id, timeout = calls[0]
+    assert (url, step_id, timeout) == (NoRuntime.url, 7, 600.0), "a runtime without a config: the default timeout"
     assert texts == [client.build_prm_text(QUESTION, ["a\n\n", "b \n\n"]), client.build_prm_text(QUESTION, ["c"])]
     with pytest.raises(ValueError, match="step_token"):
         ClassifierPRMScorer(ScorerConfig(kind="classifier", step_token="<nope>"), NoRuntime(), tokenizer)
