@@ -39,9 +39,14 @@ def write_config(tmp_path, delay_s):
     return path
 
 
+def default_sigint():
+    """Ctrl-C's default in the child even when this test runs as a background job (which ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(config, out, command=(sys.executable, "-m", "eval.runner")):
     return subprocess.Popen([*command, "--config", str(config), "--out", str(out), "--no-progress"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
 
 
 def wait_for_results(process, path, at_least=1, timeout_s=180):
