@@ -152,6 +152,31 @@ def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None)
     return shared
 
 
+# Watches one runtime from a small separate process: when the process that started the runtime is gone
+# (reparented: killed with SIGKILL, crashed), it stops the runtime's process group the way `stop` does, so
+# no server outlives its owner. It exits by itself once the group is gone. Arguments: owner pid, group id.
+WATCHDOG = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+def alive():
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+while os.getppid() == owner and alive():
+    time.sleep(1.0)
+for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
+    if not alive():
+        break
+    os.killpg(group, sig)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.2)
+"""
+
+
 def request_timeout(runtime: Any) -> float:
     """The HTTP timeout for requests to `runtime`: its config's `request_timeout_s` (600 s for objects
     without a RuntimeConfig, such as test doubles)."""
@@ -172,6 +197,10 @@ class Runtime:
         self.log_path = log_path
         self.url = f"http://{config.host}:{port}"
         self.model_info: dict[str, Any] = {}
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()), str(process.pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
 
     @classmethod
     def start(cls, config: RuntimeConfig, name: str = "generator", log_dir: str | Path | None = None,
@@ -251,6 +280,8 @@ class Runtime:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self.watchdog.kill()
+        self.watchdog.wait()
 
     def __enter__(self) -> "Runtime":
         return self

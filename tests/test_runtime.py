@@ -96,6 +96,40 @@ def test_colocated_runtimes_with_own_budgets_shut_down_cleanly(tmp_path):
         assert group_members(pgid) == [], "no child process survives shutdown (zombies aside)"
 
 
+ORPHAN_OWNER = """
+import sys, time
+from pathlib import Path
+from sgl_tts.runtime import Runtime, RuntimeConfig
+config = RuntimeConfig(model="tiny-random", max_total_tokens=2048, startup_timeout_s=300)
+runtime = Runtime.start(config, name="orphan", log_dir=Path(sys.argv[1]))
+print(runtime.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_runtime_does_not_outlive_the_process_that_started_it(tmp_path):
+    """The owner is SIGKILLed (no `stop`, no exit hooks): the runtime's watchdog stops the server group."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from sgl_tts.runtime import group_members
+
+    owner = subprocess.Popen([sys.executable, "-c", ORPHAN_OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    try:
+        pgid = int(owner.stdout.readline())
+        assert group_members(pgid), "the runtime is up"
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 60
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not group_members(pgid), "the server group outlived its owner"
+
+
 def test_bad_model_path_is_a_clear_error(tmp_path):
     from sgl_tts.models import ModelNotFoundError
     from sgl_tts.runtime import Runtime, RuntimeConfig, RuntimeStartError
