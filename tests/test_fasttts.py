@@ -230,3 +230,20 @@ def test_bench_rows_and_ratios_to_the_baseline():
     lines = table.splitlines()
     assert len(lines) == 3, "a header, then one line per measured arm"
     assert "1.00x" in lines[1] and "2.50x" in lines[2] and "0.40x" in lines[2]
+
+
+def test_co_located_cpu_runtimes_split_the_cores():
+    from sgl_tts.runtime import RuntimeConfig, share_cpu_cores
+
+    alone = {"generator": RuntimeConfig()}
+    assert share_cpu_cores(alone, cores=2) == alone, "a single runtime keeps every core"
+    pair = share_cpu_cores({"generator": RuntimeConfig(), "scorer": RuntimeConfig(max_total_tokens=8)}, cores=8)
+    assert [c.cpu_threads for c in pair.values()] == [4, 4]
+    assert all("OMP_WAIT_POLICY" not in c.env for c in pair.values()), "no more threads than cores"
+    assert pair["scorer"].max_total_tokens == 8, "other settings are kept"
+    three = share_cpu_cores({"generator": RuntimeConfig(), "scorer": RuntimeConfig(),
+                             "target": RuntimeConfig(cpu_threads=3, env={"OMP_WAIT_POLICY": "ACTIVE"})}, cores=2)
+    assert [c.cpu_threads for c in three.values()] == [1, 1, 3], "an explicit cpu_threads is kept"
+    assert [c.env["OMP_WAIT_POLICY"] for c in three.values()] == ["PASSIVE", "PASSIVE", "ACTIVE"]
+    gpu = {"generator": RuntimeConfig(device="cuda"), "scorer": RuntimeConfig()}
+    assert share_cpu_cores(gpu, cores=2) == gpu, "one CPU runtime beside a GPU one keeps every core"
