@@ -20,12 +20,10 @@ One beam-search iteration with S on (`SpeculativeSteps.step`):
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
 import time
-import urllib.request
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,10 +73,9 @@ class HttpSpeculationClient(SpeculationClient):
         return answer["text"], answer["meta_info"]
 
     def abort(self, rid: str) -> None:
-        request = urllib.request.Request(self.runtime.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
+        from sgl_tts.runtime import http_json
+
+        http_json(self.runtime.url + "/abort_request", {"rid": rid}, timeout=30)
 
 
 def word_pieces(text: str) -> list[str]:
