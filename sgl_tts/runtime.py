@@ -233,6 +233,7 @@ class Runtime:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
+                self.stop()  # what the server started is stopped, and so is its watchdog
                 raise RuntimeStartError(
                     f"runtime '{self.name}' ({self.model_path}) exited with code {self.process.returncode} "
                     f"during start-up; log {self.log_path}:\n{self.log_tail()}"
