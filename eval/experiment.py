@@ -1,7 +1,7 @@
 """Experiment configs for `sgl-tts eval`: datasets, arms, n values, seeds, repetitions, output folder.
 
 An experiment compares *arms* side by side in one run. Every arm is a named diff over one base `RunConfig`
-(sgl_tts/session.py): `overrides` is a nested mapping over RunConfig's fields, applied with
+(sgl_tts/app/session.py): `overrides` is a nested mapping over RunConfig's fields, applied with
 `dataclasses.replace` level by level, so any field a layer adds later (FastTTS switches, a target runtime)
 is overridable without a change here:
 
@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sgl_tts.config import ConfigError, _convert, load_yaml, to_dict
-from sgl_tts.session import DatasetConfig, RunConfig
+from sgl_tts.app.session import DatasetConfig, RunConfig
 
 BACKENDS = ("sglang", "scripted")
 
 
 @dataclass(frozen=True)
 class DatasetSelection:
-    """A dataset and the slice of it to run (arguments of `eval.datasets.load_problems`)."""
+    """A dataset and the slice of it to run (arguments of `sgl_tts.problems.load_problems`)."""
 
     name: str  # aime24, amc23, math500, gsm8k, humaneval, builtin, a .jsonl path, or a hub name
     label: str | None = None  # how reports and result lines name it; default: see `key`

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eval.results import ResultStore, _finite_or_none
-from sgl_tts.metrics import aggregate, over_repetitions, summarize
+from sgl_tts.app.metrics import aggregate, over_repetitions, summarize
 
 if TYPE_CHECKING:
     from eval.experiment import Experiment
@@ -64,7 +64,7 @@ def latest_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 
 
 def unit_aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """`sgl_tts.metrics.aggregate` of one unit's problems, plus tokens per problem and the timing windows.
+    """`sgl_tts.app.metrics.aggregate` of one unit's problems, plus tokens per problem and the timing windows.
 
     A request window's unit-level figures summarise the per-problem means (p50 = median problem)."""
     result = aggregate([r["metrics"] for r in rows])

@@ -57,17 +57,17 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
-from eval.datasets import DATASETS, Problem, load_problems
+from sgl_tts.problems import DATASETS, Problem, load_problems
 from eval.report import RESULTS_FILE, row_key, write_report
 from eval.results import ResultStore, config_hash, provenance
 from sgl_tts.config import ConfigError
-from sgl_tts.metrics import problem_metrics, summarize
-from sgl_tts.records import SearchResult
-from sgl_tts.runtime import RuntimeDiedError
+from sgl_tts.app.metrics import problem_metrics, summarize
+from sgl_tts.search.records import SearchResult
+from sgl_tts.runtime.server import RuntimeDiedError
 
-if TYPE_CHECKING:  # eval.experiment imports sgl_tts.session, which imports sglang (seconds): not for --help
+if TYPE_CHECKING:  # eval.experiment imports sgl_tts.app.session, which imports sglang (seconds): not for --help
     from eval.experiment import Experiment, ScriptedOptions, Unit
-    from sgl_tts.session import RunConfig
+    from sgl_tts.app.session import RunConfig
 
 EXPERIMENT_FILE = "experiment.yaml"
 SCRIPTED_PROMPT = "Q: {question}\n\n"
@@ -226,10 +226,10 @@ def _precision(runtime: Any) -> str:
 
 
 class SessionSolver:
-    """An arm's SGLang runtimes (`sgl_tts.session.Session`)."""
+    """An arm's SGLang runtimes (`sgl_tts.app.session.Session`)."""
 
     def __init__(self, config: RunConfig, log_dir: Path, reuse: dict[str, Any] | None = None):
-        from sgl_tts.session import Session
+        from sgl_tts.app.session import Session
 
         self.config = config
         config = dataclasses.replace(config, log_dir=config.log_dir or str(log_dir))
@@ -262,7 +262,7 @@ class SessionSolver:
         Asked after a failed search. A killed server refuses connections a moment before its process exits,
         so a refusal alone is not taken as death until the grace period ends; a server that stays unreachable
         that long counts as dead (and is stopped and started again)."""
-        from sgl_tts.runtime import http_json
+        from sgl_tts.runtime.server import http_json
 
         deadline = time.monotonic() + grace_s
         for runtime in self.session.runtimes.values():
@@ -325,8 +325,8 @@ class ScriptedSolver:
     """
 
     def __init__(self, config: RunConfig, options: ScriptedOptions, died: set[str], lock: threading.Lock):
-        from sgl_tts.registry import load_program
-        from sgl_tts.search import Runtimes
+        from sgl_tts.search.programs import load_program
+        from sgl_tts.search.api import Runtimes
         from sgl_tts.testing import ScriptedScorer
 
         began = time.monotonic()
@@ -466,7 +466,7 @@ class EvalRun:
 
     def check_arms(self) -> None:
         """Every arm's program (and, on SGLang, model) exists: fail before any runtime starts."""
-        from sgl_tts.registry import load_program
+        from sgl_tts.search.programs import load_program
 
         for index, arm in enumerate(self.config.arms):
             arm_config = self.experiment.arm_configs[arm.name]
@@ -475,7 +475,7 @@ class EvalRun:
             except KeyError as exc:
                 raise ConfigError(f"{self.experiment.source}: arms[{index}] ('{arm.name}'): {exc.args[0]}") from None
             if self.config.backend == "sglang":
-                from sgl_tts.models import resolve_model
+                from sgl_tts.runtime.models import resolve_model
 
                 for runtime in (arm_config.generator, arm_config.scorer.runtime, getattr(arm_config, "target", None)):
                     if hasattr(runtime, "model"):  # a RuntimeConfig (not None, not "generator")
@@ -515,7 +515,7 @@ class EvalRun:
         return solver
 
     def stop_spare(self) -> None:
-        from sgl_tts.runtime import Runtime
+        from sgl_tts.runtime.server import Runtime
 
         for runtime in self._spare.values():
             if isinstance(runtime, Runtime):
@@ -705,6 +705,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from sgl_tts.cli import main
+    from sgl_tts.app.cli import main
 
     sys.exit(main(["eval", *sys.argv[1:]]))

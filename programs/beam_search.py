@@ -15,11 +15,9 @@ import dataclasses
 
 import sglang as sgl
 
-from sgl_tts.fasttts import search_steps
-from sgl_tts.grading import extract_answer
-from sgl_tts.records import SearchResult
-from sgl_tts.scoring import aggregate
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, expand, finish, rank_key, run_search
+from sgl_tts.fasttts.switches import search_steps
+from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
+                            SearchConfig, SearchResult, SearchTracker)
 
 
 def keep_count(config: SearchConfig) -> int:
@@ -32,7 +30,7 @@ def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes
     s += prompt
     beams = [Path(state=s)]
     # Generation and verification of one iteration; with FastTTS P or S on (runtimes.extras) requests are
-    # tagged for the scheduler policy, with S idle slots run speculative continuations (sgl_tts.fasttts).
+    # tagged for the scheduler policy, with S idle slots run speculative continuations (sgl_tts.fasttts.switches).
     steps = search_steps(runtimes, config, tracker, problem_id, extract_answer)
     for iteration in range(config.max_steps):
         fan_out = config.n if iteration == 0 else config.beam_width

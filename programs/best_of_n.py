@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.grading import extract_answer
-from sgl_tts.records import SearchResult
-from sgl_tts.search import (RUNTIME_FAILURES, Path, Runtimes, SearchConfig, SearchTracker, build_result,
-                            finish, search_failed, split_steps, wait_meta)
+from sgl_tts.search import (RUNTIME_FAILURES, build_result, extract_answer, finish, Path, Runtimes,
+                            search_failed, SearchConfig, SearchResult,
+                            SearchTracker, split_steps, wait_meta)
 
 
 @sgl.function

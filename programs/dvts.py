@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.grading import extract_answer
-from sgl_tts.records import SearchResult
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, expand, finish, rank_key, run_search
+from sgl_tts.search import (expand, extract_answer, finish, Path, rank_key, run_search, Runtimes, SearchConfig,
+                            SearchResult, SearchTracker)
 
 
 def subtree_count(config: SearchConfig) -> int:

@@ -15,10 +15,8 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.grading import extract_answer
-from sgl_tts.records import SearchResult
-from sgl_tts.scoring import aggregate
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, expand, finish, rank_key, run_search
+from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
+                            SearchConfig, SearchResult, SearchTracker)
 
 
 def allocate(budget: int, scores: Sequence[float], temperature: float) -> list[int]:

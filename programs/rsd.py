@@ -2,7 +2,7 @@
 
 RSD Algorithm 1. Per step: the draft model (`runtimes.generator`) writes a step after the prompt and the
 solution so far; the scorer scores it in context; the acceptance criterion A_omega (Algorithm 2,
-`sgl_tts.rsd_math.accept_draft_step`) keeps it, or else the target model (`runtimes.target`) writes the
+`sgl_tts.rsd.acceptance.accept_draft_step`) keeps it, or else the target model (`runtimes.target`) writes the
 step from the same context, and the target's step is always kept. The loop stops at an answer, end of
 sequence, the token budget or `rsd.max_steps`.
 
@@ -20,7 +20,7 @@ score that decided the step; `SearchResult.extra["rsd"]` holds one `StepRecord` 
 its score, tokens and seconds per model, rejected draft tokens included) and the problem's statistics.
 
 `runtimes.extras["rsd_cache"]` (a `StepCache`) memoises each context's draft step, score and target step;
-the delta sweep (`sgl_tts.rsd_sweep`) shares one across its runs. Records then carry the seconds measured
+the delta sweep (`sgl_tts.rsd.sweep`) shares one across its runs. Records then carry the seconds measured
 when the entry was computed.
 """
 
@@ -37,10 +37,9 @@ from typing import Any, Callable, TypeVar
 
 import sglang as sgl
 
-from sgl_tts.grading import extract_answer
-from sgl_tts.records import SearchResult
-from sgl_tts.rsd_math import RSDConfig, StepRecord, accept_draft_step, summarize_run
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchTracker, build_result, finish, finish_reason_of, wait_meta
+from sgl_tts.search import (build_result, extract_answer, finish, finish_reason_of, Path, Runtimes,
+                            SearchConfig, SearchResult, SearchTracker, wait_meta)
+from sgl_tts.rsd.acceptance import RSDConfig, StepRecord, accept_draft_step, summarize_run
 
 T = TypeVar("T")
 
@@ -158,7 +157,7 @@ def _model_path(component: Any) -> str | None:
 
 @lru_cache(maxsize=None)
 def _matmul_params(model_path: str) -> int | None:
-    from sgl_tts.roofline import load_model_spec
+    from sgl_tts.runtime.roofline import load_model_spec
 
     try:
         return int(load_model_spec(model_path).matmul_params)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from programs.best_of_n import best_of_n_program
-from sgl_tts.records import SearchResult
-from sgl_tts.search import Runtimes, SearchConfig, SearchTracker, build_result
+from sgl_tts.search import build_result, Runtimes, SearchConfig, SearchResult, SearchTracker
 
 
 def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:

@@ -43,4 +43,4 @@ if [ "$installed" != "$(pwd -P)" ]; then
 fi
 ln -sfn "$venv" .venv
 
-"$venv/bin/python" -m sgl_tts.provision
+"$venv/bin/python" -m sgl_tts.runtime.provision

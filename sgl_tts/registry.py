@@ -1,60 +1,55 @@
-"""Search programs by name.
+"""Plug-ins by name: one small registry type for programs' helpers, scorers, policies, hardware, datasets.
 
-A program is a module with `run(problem, config, runtimes) -> SearchResult`. Every module in the
-`programs/` package is one, named after its file; a config may also name any importable module
-(`package.module`) or a file path (`path/to/my_search.py`).
+A `Registry` maps names to entries; looking up an unknown name raises a `KeyError` whose message lists the
+known names, so every "unknown X" error in the project reads the same and never goes stale.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pkgutil
-from pathlib import Path
-from types import ModuleType
-from typing import Callable
+from typing import Callable, Generic, Iterator, Mapping, TypeVar
 
-import programs
-
-ProgramFn = Callable[..., object]
+T = TypeVar("T")
 
 
-def program_names() -> list[str]:
-    """The programs found in the `programs/` package, by name."""
-    return sorted(m.name for m in pkgutil.iter_modules(programs.__path__) if not m.name.startswith("_"))
+class Registry(Mapping[str, T], Generic[T]):
+    """Named entries of one kind (`kind` is what an error calls them: 'scorer kind', 'hardware', ...)."""
 
+    def __init__(self, kind: str, entries: Mapping[str, T] | None = None):
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+        for name, entry in (entries or {}).items():
+            self.add(name, entry)
 
-def _load_file(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"sgl_tts_user_program_{path.stem}", path)
-    assert spec is not None and spec.loader is not None, f"cannot import {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    def add(self, name: str, entry: T) -> T:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._entries[name] = entry
+        return entry
 
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator form of `add`."""
+        return lambda entry: self.add(name, entry)
 
-def load_program(name: str) -> ProgramFn:
-    """The `run` function of program `name`; an unknown name lists the known ones."""
-    if name.endswith(".py"):
-        path = Path(name)
-        if not path.is_file():
-            raise KeyError(f"program file {name} not found")
-        module = _load_file(path)
-    elif name in program_names():
-        module = importlib.import_module(f"programs.{name}")
-    elif "." in name:
+    def __getitem__(self, name: str) -> T:
         try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            raise KeyError(f"program module {name!r} cannot be imported") from None
-    else:
-        raise KeyError(f"unknown program {name!r}; known programs: {', '.join(program_names())}")
-    run = getattr(module, "run", None)
-    if not callable(run):
-        raise KeyError(f"program {name!r} ({module.__name__}) has no run(problem, config, runtimes) function")
-    return run
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(self.unknown(name)) from None
 
+    def unknown(self, name: object) -> str:
+        """The error message for a name that is not registered."""
+        return f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
 
-def program_summary(name: str) -> str:
-    """First line of the program module's docstring."""
-    module = importlib.import_module(f"programs.{name}")
-    return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+    def check(self, name: object) -> None:
+        """Raise ValueError (what config validation raises) unless `name` is registered."""
+        if name not in self._entries:
+            raise ValueError(self.unknown(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from sglang.lang.backend.base_backend import BaseBackend
 
-from sgl_tts.scoring import StepScorer
+from sgl_tts.scoring.base import StepScorer
 
 EOS_ID = 2
 

@@ -9,7 +9,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_runtime(tmp_path_factory):
     """One real SGLang CPU runtime serving the tiny random-weight model, shared by the runtime tests."""
-    from sgl_tts.runtime import Runtime, RuntimeConfig
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     runtime = Runtime.start(RuntimeConfig(model="tiny-random", max_total_tokens=16384, startup_timeout_s=600),
                             name="tiny", log_dir=tmp_path_factory.mktemp("runtime-logs"))
@@ -22,9 +22,9 @@ def tiny_search_runtimes(tiny_runtime):
     """Runtimes for search programs: generator and likelihood scorer both on the tiny runtime."""
     from transformers import AutoTokenizer
 
-    from sgl_tts.backend import TTSEndpoint, chat_prompt
-    from sgl_tts.scoring import LikelihoodScorer
-    from sgl_tts.search import Runtimes
+    from sgl_tts.frontend.backend import TTSEndpoint, chat_prompt
+    from sgl_tts.scoring.likelihood import LikelihoodScorer
+    from sgl_tts.search.api import Runtimes
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_runtime.model_path)
     return Runtimes(generator=TTSEndpoint(tiny_runtime), scorer=LikelihoodScorer(tiny_runtime, tokenizer),

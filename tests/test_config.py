@@ -3,9 +3,9 @@ import dataclasses
 import pytest
 
 from sgl_tts.config import ConfigError, load_dataclass, load_yaml
-from sgl_tts.scoring import aggregate
-from sgl_tts.search import SearchConfig
-from sgl_tts.session import RunConfig
+from sgl_tts.scoring.base import aggregate
+from sgl_tts.search.api import SearchConfig
+from sgl_tts.app.session import RunConfig
 
 
 def write(tmp_path, text):

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from eval import datasets
-from eval.datasets import DatasetError, builtin_problems, data_root, load_problems
+from sgl_tts import problems as datasets
+from sgl_tts.problems import DatasetError, builtin_problems, data_root, load_problems
 
 needs_shared_data = pytest.mark.skipif(
     not (data_root() / "aime24" / "test.jsonl").is_file(), reason="shared benchmark data not present"

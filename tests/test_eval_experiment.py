@@ -9,9 +9,9 @@ import yaml
 from eval.experiment import ExperimentConfig, apply_overrides, load_experiment, plain
 from eval.results import config_hash
 from sgl_tts.config import ConfigError, load_dataclass
-from sgl_tts.runtime import RuntimeConfig
-from sgl_tts.session import RunConfig
-from sgl_tts.search import SearchConfig
+from sgl_tts.runtime.server import RuntimeConfig
+from sgl_tts.app.session import RunConfig
+from sgl_tts.search.api import SearchConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "eval" / "configs"
 

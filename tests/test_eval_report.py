@@ -8,8 +8,8 @@ from eval.experiment import ExperimentConfig, resolve
 from eval.report import latest_rows, markdown, plot_run, summarize_run, write_report
 from eval.results import ResultStore
 from sgl_tts.config import load_dataclass
-from sgl_tts.metrics import problem_metrics
-from sgl_tts.records import Candidate, SearchResult
+from sgl_tts.app.metrics import problem_metrics
+from sgl_tts.search.records import Candidate, SearchResult
 
 
 def experiment(n_values=(4,), repetitions=2):

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval.datasets import DatasetError, Problem
+from sgl_tts.problems import DatasetError, Problem
 from eval.experiment import load_experiment, plain
 from eval.report import row_key
 from eval.results import ResultStore, config_hash
 from eval.runner import SCRIPTED_PROMPT, EvalRun, RequestLog, request_windows
 from sgl_tts.config import ConfigError
-from sgl_tts.metrics import problem_metrics
-from sgl_tts.models import ModelNotFoundError
-from sgl_tts.registry import load_program
-from sgl_tts.runtime import RuntimeDiedError
-from sgl_tts.search import Runtimes
+from sgl_tts.app.metrics import problem_metrics
+from sgl_tts.runtime.models import ModelNotFoundError
+from sgl_tts.search.programs import load_program
+from sgl_tts.runtime.server import RuntimeDiedError
+from sgl_tts.search.api import Runtimes
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 GOLDS = [0, 1, 1, 0, 1, 0]  # the scripted model answers 0 or 1 (scripted.answers: 2): some are solved

@@ -6,17 +6,17 @@ from collections import defaultdict
 
 import pytest
 
-from eval.datasets import Problem
+from sgl_tts.problems import Problem
 from policies.base import decode_rid
 from policies.plugin import ENV_POLICY
 from sgl_tts.config import ConfigError, load_dataclass
-from sgl_tts.fasttts import (FASTTTS, MIB, PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label,
+from sgl_tts.fasttts.switches import (FASTTTS, MIB, PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label,
                              longest_request_tokens, model_spec_for, plan_workload)
-from sgl_tts.registry import load_program
-from sgl_tts.roofline import HARDWARE, plan_memory
-from sgl_tts.runtime import RuntimeConfig
-from sgl_tts.search import Runtimes, SearchConfig
-from sgl_tts.session import RunConfig
+from sgl_tts.search.programs import load_program
+from sgl_tts.runtime.roofline import HARDWARE, plan_memory
+from sgl_tts.runtime.server import RuntimeConfig
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.app.session import RunConfig
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"
@@ -157,11 +157,11 @@ def test_p_tags_every_request_with_its_place_in_the_tree():
 
 
 def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch):
-    from sgl_tts import session as session_module
-    from sgl_tts.scoring import ScorerConfig
-    from sgl_tts.runtime import share_cpu_cores
-    from sgl_tts.session import Session
-    from sgl_tts.speculation import SPECULATION_CLIENT
+    from sgl_tts.app import session as session_module
+    from sgl_tts.scoring.config import ScorerConfig
+    from sgl_tts.runtime.server import share_cpu_cores
+    from sgl_tts.app.session import Session
+    from sgl_tts.fasttts.speculation import SPECULATION_CLIENT
 
     started = []
 
@@ -184,7 +184,7 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
         return started[-1]
 
     monkeypatch.setattr(session_module.Runtime, "start", staticmethod(start))
-    monkeypatch.setattr("sgl_tts.backend.TTSEndpoint", lambda runtime: ("endpoint", runtime))
+    monkeypatch.setattr("sgl_tts.frontend.backend.TTSEndpoint", lambda runtime: ("endpoint", runtime))
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: None)
     base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH)
     arm = lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=100, hardware="rtx4090"))
@@ -211,8 +211,8 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
 
 
 def test_bench_rows_and_ratios_to_the_baseline():
-    from sgl_tts.bench_fasttts import format_table, measure
-    from sgl_tts.records import Candidate, SearchResult
+    from sgl_tts.bench.fasttts import format_table, measure
+    from sgl_tts.search.records import Candidate, SearchResult
 
     def result(tokens, seconds, speculation=None):
         candidate = Candidate(steps=["a"], step_scores=[0.5], score=0.5, answer="4", tokens=tokens,
@@ -233,7 +233,7 @@ def test_bench_rows_and_ratios_to_the_baseline():
 
 
 def test_co_located_cpu_runtimes_split_the_cores():
-    from sgl_tts.runtime import RuntimeConfig, share_cpu_cores
+    from sgl_tts.runtime.server import RuntimeConfig, share_cpu_cores
 
     alone = {"generator": RuntimeConfig()}
     assert share_cpu_cores(alone, cores=2) == alone, "a single runtime keeps every core"

@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from sgl_tts import grading
-from sgl_tts.grading import GradingError, answers_equal, extract_answer, grade, normalize_answer
+from sgl_tts.search import grading
+from sgl_tts.search.grading import GradingError, answers_equal, extract_answer, grade, normalize_answer
 
 
 @pytest.mark.parametrize(

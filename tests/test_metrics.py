@@ -4,8 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from sgl_tts.metrics import aggregate, over_repetitions, percentile, problem_metrics, summarize
-from sgl_tts.records import Candidate, SearchResult
+from sgl_tts.app.metrics import aggregate, over_repetitions, percentile, problem_metrics, summarize
+from sgl_tts.search.records import Candidate, SearchResult
 
 
 def exact_grade(predicted, gold, dataset):

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.runtime
 def policy_runtime(tmp_path_factory):
     """A tiny-model runtime with SGL_TTS_POLICY=prefix and one request running at a time, so that every
     other request waits in the queue the policy orders."""
-    from sgl_tts.runtime import Runtime, RuntimeConfig
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     folder = tmp_path_factory.mktemp("policy-runtime")
     trace = folder / "trace.jsonl"
@@ -30,7 +30,7 @@ def policy_runtime(tmp_path_factory):
 
 
 def test_plugin_reorders_the_waiting_queue_inside_the_scheduler(policy_runtime):
-    from sgl_tts.runtime import http_json
+    from sgl_tts.runtime.server import http_json
 
     runtime, trace = policy_runtime
     finished, lock = [], threading.Lock()

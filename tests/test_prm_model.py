@@ -1,7 +1,7 @@
 """The step-classifier PRM class served by a real SGLang CPU runtime equals the transformers reference.
 
 A tiny random-weight Qwen2.5-Math-PRM-shaped checkpoint is built into a temporary folder; the runtime
-loads `Qwen2ForProcessRewardModel` from `sgl_tts.prm_models` through SGLANG_EXTERNAL_MODEL_PACKAGE.
+loads `Qwen2ForProcessRewardModel` from `sgl_tts.scoring.prm_models` through SGLANG_EXTERNAL_MODEL_PACKAGE.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import urllib.error
 
 import pytest
 
-from sgl_tts.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
-from sgl_tts.prm_models.client import (
+from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
+from sgl_tts.scoring.prm_models.client import (
     batch_classifier_step_rewards,
     build_prm_text,
     classifier_step_rewards,
     prm_step_rewards,
 )
-from sgl_tts.prm_models.tiny import STEP_TOKEN, build_tiny_prm
+from sgl_tts.scoring.prm_models.tiny import STEP_TOKEN, build_tiny_prm
 
 TOLERANCE = 1e-4  # fp32 on both sides
 PROBLEMS = [
@@ -37,14 +37,14 @@ def tiny_prm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_prm):
-    from sgl_tts.prm_models.reference import ReferencePRM
+    from sgl_tts.scoring.prm_models.reference import ReferencePRM
 
     return ReferencePRM(tiny_prm)
 
 
 @pytest.fixture(scope="module")
 def prm_url(tiny_prm, tmp_path_factory):
-    from sgl_tts.runtime import Runtime, RuntimeConfig, group_members
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig, group_members
 
     config = RuntimeConfig(
         model=str(tiny_prm), is_embedding=True, extra_args=list(SERVER_ARGS), env=dict(EXTERNAL_MODEL_ENV),
@@ -63,7 +63,7 @@ def prm_url(tiny_prm, tmp_path_factory):
 
 
 def _wait_encode_ready(runtime, timeout_s: float) -> None:
-    from sgl_tts.runtime import http_json
+    from sgl_tts.runtime.server import http_json
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -128,7 +128,7 @@ def test_batched_texts_and_ids_match_reference(prm_url, reference):
 
 @pytest.mark.runtime
 def test_plain_encode_reads_out_at_the_configured_step_token(prm_url, reference):
-    from sgl_tts.runtime import http_json
+    from sgl_tts.runtime.server import http_json
 
     text = build_prm_text(*PROBLEMS[2])
     served = http_json(prm_url + "/encode", {"text": text})["embedding"]

@@ -12,9 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from sgl_tts.config import ConfigError, load_yaml
-from sgl_tts.prm_scorers import (ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer,
+from sgl_tts.scoring.prm import (ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer,
                                  classifier_runtime_config)
-from sgl_tts.scoring import SCORER_KINDS, LikelihoodScorer, ScorerConfig, ScorerError, make_scorer
+from sgl_tts.scoring.base import ScorerError
+from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.factory import SCORERS as SCORER_KINDS, make_scorer
+from sgl_tts.scoring.likelihood import LikelihoodScorer
 
 TOLERANCE = 1e-4  # fp32 on both sides
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
@@ -29,14 +32,14 @@ PATHS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from sgl_tts.models import resolve_model
+    from sgl_tts.runtime.models import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
 
 
 @pytest.fixture(scope="module")
 def prompt(tokenizer):
-    from sgl_tts.backend import chat_prompt
+    from sgl_tts.frontend.backend import chat_prompt
 
     return chat_prompt(tokenizer, QUESTION)
 
@@ -146,8 +149,8 @@ def test_unreachable_prm_runtime_is_a_scorer_error_naming_it(prompt, tokenizer):
 
 
 def test_classifier_scorer_wraps_the_client(monkeypatch, prompt):
-    from sgl_tts.prm_models import client
-    from sgl_tts.prm_models.tiny import STEP_TOKEN
+    from sgl_tts.scoring.prm_models import client
+    from sgl_tts.scoring.prm_models.tiny import STEP_TOKEN
 
     calls = []
 
@@ -171,7 +174,7 @@ def test_classifier_scorer_wraps_the_client(monkeypatch, prompt):
 
 
 def test_classifier_runtime_config_has_what_the_model_class_needs():
-    from sgl_tts.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
+    from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
 
     config = classifier_runtime_config("some/prm", max_total_tokens=4096)
     assert config.is_embedding and config.extra_args == list(SERVER_ARGS) and config.env == EXTERNAL_MODEL_ENV
@@ -185,7 +188,7 @@ def reference_model(tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sgl_tts.models import resolve_model
+    from sgl_tts.runtime.models import resolve_model
 
     return AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random"), dtype=torch.float32).eval()
 
@@ -260,10 +263,10 @@ def test_rlhflow_scores_match_transformers(tiny_runtime, tokenizer, reference_mo
 def test_classifier_scorer_matches_reference_prm(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from sgl_tts.prm_models.client import build_prm_text
-    from sgl_tts.prm_models.reference import ReferencePRM
-    from sgl_tts.prm_models.tiny import build_tiny_prm
-    from sgl_tts.runtime import Runtime
+    from sgl_tts.scoring.prm_models.client import build_prm_text
+    from sgl_tts.scoring.prm_models.reference import ReferencePRM
+    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
+    from sgl_tts.runtime.server import Runtime
 
     model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
     config = ScorerConfig(kind="classifier", runtime=classifier_runtime_config(str(model_dir)))
@@ -283,7 +286,7 @@ def test_a_runtime_that_does_not_answer_fails_after_its_request_timeout(tokenize
     import socket
     import time
 
-    from sgl_tts.runtime import RuntimeConfig
+    from sgl_tts.runtime.server import RuntimeConfig
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -301,7 +304,7 @@ def test_a_runtime_that_does_not_answer_fails_after_its_request_timeout(tokenize
 
 
 def test_request_timeout_must_be_positive():
-    from sgl_tts.runtime import RuntimeConfig
+    from sgl_tts.runtime.server import RuntimeConfig
 
     with pytest.raises(ValueError, match="request_timeout_s"):
         RuntimeConfig(request_timeout_s=0)

@@ -17,14 +17,15 @@ from typing import Callable, NamedTuple, Sequence
 
 import pytest
 
-from eval.datasets import Problem
+from sgl_tts.problems import Problem
 from programs.dynamic_branching import allocate
-from sgl_tts.records import SearchResult
-from sgl_tts.registry import load_program
-from sgl_tts.runtime import RuntimeDiedError
-from sgl_tts.scoring import LikelihoodScorer, ScorerError, StepScorer, aggregate
-from sgl_tts.search import Path, Runtimes, SearchConfig, SearchError, SearchTracker, build_result
-from sgl_tts.selection import select
+from sgl_tts.search.records import SearchResult
+from sgl_tts.search.programs import load_program
+from sgl_tts.runtime.server import RuntimeDiedError
+from sgl_tts.scoring.base import ScorerError, StepScorer, aggregate
+from sgl_tts.scoring.likelihood import LikelihoodScorer
+from sgl_tts.search.api import Path, Runtimes, SearchConfig, SearchError, SearchTracker, build_result
+from sgl_tts.search.selection import select
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"
@@ -543,7 +544,7 @@ def test_generator_dying_mid_search_keeps_finished_candidates(program):
 
 
 def test_cli_lists_all_seven_programs(capsys):
-    from sgl_tts.cli import main
+    from sgl_tts.app.cli import main
 
     assert main(["programs"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}

@@ -1,8 +1,8 @@
 import pytest
 
-from eval.datasets import Problem
-from sgl_tts.registry import load_program, program_names
-from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.problems import Problem
+from sgl_tts.search.programs import load_program, program_names
+from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.testing import ScriptedBackend, ScriptedScorer
 
 
@@ -19,8 +19,8 @@ def test_unknown_program_lists_known_names():
 def test_user_program_file_is_loaded_and_runs(tmp_path):
     source = '''
 import sglang as sgl
-from sgl_tts.search import Path, SearchTracker, build_result, expand
-from sgl_tts.grading import extract_answer
+from sgl_tts.search.api import Path, SearchTracker, build_result, expand
+from sgl_tts.search.grading import extract_answer
 
 def run(problem, config, runtimes):
     tracker = SearchTracker(config)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from sgl_tts import roofline
-from sgl_tts.roofline import (
+from sgl_tts.runtime import roofline
+from sgl_tts.runtime.roofline import (
     HARDWARE,
     Hardware,
     ModelSpec,

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from eval.datasets import Problem
+from sgl_tts.problems import Problem
 from sgl_tts.config import ConfigError, load_yaml
-from sgl_tts.registry import load_program
-from sgl_tts.rsd_math import RSDConfig, StepRecord
-from sgl_tts.rsd_sweep import format_table, parse_deltas, run_statistics, run_sweep, step_records, write_outputs
-from sgl_tts.scoring import StepScorer
-from sgl_tts.search import Runtimes, SearchConfig
-from sgl_tts.session import RunConfig
+from sgl_tts.search.programs import load_program
+from sgl_tts.rsd.acceptance import RSDConfig, StepRecord
+from sgl_tts.rsd.sweep import format_table, parse_deltas, run_statistics, run_sweep, step_records, write_outputs
+from sgl_tts.scoring.base import StepScorer
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.app.session import RunConfig
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 DRAFT_MODEL = ScriptedModel(answer_depth=2, answer_chance=0.3, eos_chance=0.1, answers=4)
@@ -270,7 +270,7 @@ def test_step_limit_and_token_budget_end_the_solution():
 
 
 def test_run_report_prints_rsd_statistics_and_the_same_model_note(capsys):
-    from sgl_tts.report import print_run
+    from sgl_tts.app.report import print_run
 
     settings = RSDConfig(delta=0.5, max_steps=6)
     runtimes, draft, _ = make_runtimes(settings)
@@ -377,7 +377,7 @@ def test_program_without_target_or_scorer_is_a_clear_error():
 
 
 def test_cli_errors_name_the_setting(tmp_path, capsys):
-    from sgl_tts.cli import main
+    from sgl_tts.app.cli import main
 
     assert parse_deltas("0.9,0,0.5,0.5") == [0.0, 0.5, 0.9]
     with pytest.raises(SystemExit) as exit_info:
@@ -403,7 +403,7 @@ class FakeRuntime:
     started = []
 
     def __init__(self, config, name):
-        from sgl_tts.models import resolve_model
+        from sgl_tts.runtime.models import resolve_model
 
         self.config, self.name = config, name
         self.model_path = resolve_model(config.model)
@@ -428,11 +428,11 @@ class FakeEndpoint:
 
 @pytest.mark.parametrize("target", ["own runtime", "generator"])
 def test_session_starts_the_target_with_its_own_budget(monkeypatch, target):
-    import sgl_tts.session as session_module
-    from sgl_tts.runtime import RuntimeConfig
+    import sgl_tts.app.session as session_module
+    from sgl_tts.runtime.server import RuntimeConfig
 
     monkeypatch.setattr(session_module, "Runtime", FakeRuntime)
-    monkeypatch.setattr("sgl_tts.backend.TTSEndpoint", FakeEndpoint)  # RuntimeEndpoint would call the server
+    monkeypatch.setattr("sgl_tts.frontend.backend.TTSEndpoint", FakeEndpoint)  # RuntimeEndpoint would call the server
     FakeRuntime.started = []
     target_config = RuntimeConfig(model="tiny-random", max_total_tokens=2048)
     config = RunConfig(generator=RuntimeConfig(model="tiny-random", max_total_tokens=4096),
@@ -460,7 +460,7 @@ def test_session_starts_the_target_with_its_own_budget(monkeypatch, target):
 
 @pytest.mark.runtime
 def test_rsd_on_the_cpu_runtime(tiny_search_runtimes, tiny_runtime):
-    from sgl_tts.roofline import load_model_spec
+    from sgl_tts.runtime.roofline import load_model_spec
 
     runtimes = Runtimes(generator=tiny_search_runtimes.generator, scorer=tiny_search_runtimes.scorer,
                         prompt=tiny_search_runtimes.prompt, target=tiny_search_runtimes.generator,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sgl_tts.config import ConfigError, load_dataclass, load_yaml
-from sgl_tts.rsd_math import (
+from sgl_tts.rsd.acceptance import (
     WEIGHTINGS,
     FlopsCounter,
     RSDConfig,

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from eval.datasets import Problem
-from sgl_tts.registry import load_program
-from sgl_tts.search import SearchConfig
+from sgl_tts.problems import Problem
+from sgl_tts.search.programs import load_program
+from sgl_tts.search.api import SearchConfig
 
 pytestmark = pytest.mark.runtime
 
@@ -16,7 +16,7 @@ PROBLEM = Problem(id="apples", question="Tom has 3 apples and buys 4 more. How m
 def test_fork_branches_report_cached_prefix(tiny_runtime):
     import sglang as sgl
 
-    from sgl_tts.backend import TTSEndpoint
+    from sgl_tts.frontend.backend import TTSEndpoint
 
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
 
@@ -74,8 +74,8 @@ def test_likelihood_scorer_matches_transformers(tiny_runtime, tiny_search_runtim
 
 
 def test_colocated_runtimes_with_own_budgets_shut_down_cleanly(tmp_path):
-    from sgl_tts.runtime import RuntimeConfig, group_members, http_json
-    from sgl_tts.session import RunConfig, ScorerConfig, Session
+    from sgl_tts.runtime.server import RuntimeConfig, group_members, http_json
+    from sgl_tts.app.session import RunConfig, ScorerConfig, Session
 
     config = RunConfig(
         generator=RuntimeConfig(model="tiny-random", max_total_tokens=4096),
@@ -99,7 +99,7 @@ def test_colocated_runtimes_with_own_budgets_shut_down_cleanly(tmp_path):
 ORPHAN_OWNER = """
 import sys, time
 from pathlib import Path
-from sgl_tts.runtime import Runtime, RuntimeConfig
+from sgl_tts.runtime.server import Runtime, RuntimeConfig
 config = RuntimeConfig(model="tiny-random", max_total_tokens=2048, startup_timeout_s=300)
 runtime = Runtime.start(config, name="orphan", log_dir=Path(sys.argv[1]))
 print(runtime.process.pid, flush=True)
@@ -114,7 +114,7 @@ def test_a_runtime_does_not_outlive_the_process_that_started_it(tmp_path):
     import time
     from pathlib import Path
 
-    from sgl_tts.runtime import group_members
+    from sgl_tts.runtime.server import group_members
 
     owner = subprocess.Popen([sys.executable, "-c", ORPHAN_OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parents[1])
@@ -131,8 +131,8 @@ def test_a_runtime_does_not_outlive_the_process_that_started_it(tmp_path):
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):
-    from sgl_tts.models import ModelNotFoundError
-    from sgl_tts.runtime import Runtime, RuntimeConfig, RuntimeStartError
+    from sgl_tts.runtime.models import ModelNotFoundError
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeStartError
 
     with pytest.raises(ModelNotFoundError, match="no/such/model"):
         Runtime.start(RuntimeConfig(model="no/such/model"))

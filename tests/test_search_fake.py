@@ -4,12 +4,12 @@ from collections import defaultdict
 
 import pytest
 
-from eval.datasets import Problem
-from sgl_tts.grading import extract_answer
-from sgl_tts.registry import load_program
-from sgl_tts.scoring import aggregate
-from sgl_tts.search import Runtimes, SearchConfig, split_steps
-from sgl_tts.selection import select
+from sgl_tts.problems import Problem
+from sgl_tts.search.grading import extract_answer
+from sgl_tts.search.programs import load_program
+from sgl_tts.scoring.base import aggregate
+from sgl_tts.search.api import Runtimes, SearchConfig, split_steps
+from sgl_tts.search.selection import select
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"

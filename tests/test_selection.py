@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from sgl_tts.selection import best_score, group_answers, majority_vote, pass_at_n, select, weighted_vote
+from sgl_tts.search.selection import best_score, group_answers, majority_vote, pass_at_n, select, weighted_vote
 
 
 def same(a, b):

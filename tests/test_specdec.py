@@ -3,8 +3,8 @@ import argparse
 import numpy as np
 import pytest
 
-from sgl_tts import specdec
-from sgl_tts.specdec import (
+from sgl_tts.rsd import specdec
+from sgl_tts.rsd.specdec import (
     CONTRACTS,
     acceptance_probability,
     distribution_preserving_round,

@@ -1,4 +1,4 @@
-"""Speculative beam extension (sgl_tts/speculation.py) on a timed fake generator.
+"""Speculative beam extension (sgl_tts/fasttts/speculation.py) on a timed fake generator.
 
 `TimedScriptedBackend` serves `ScriptedModel` one token (word) at a time with a delay, for the frontend's
 standard requests and for speculative requests (`speculate`/`abort`), and logs when each request starts,
@@ -18,14 +18,14 @@ from collections import defaultdict
 import pytest
 from sglang.lang.backend.base_backend import BaseBackend
 
-from eval.datasets import Problem
+from sgl_tts.problems import Problem
 from policies.base import decode_rid
 from policies.speculative import TruncationSampler
-from sgl_tts.backend import REQUEST_FIELDS
-from sgl_tts.fasttts import FASTTTS, FastTTSConfig, from_label
-from sgl_tts.registry import load_program
-from sgl_tts.search import Runtimes, SearchConfig
-from sgl_tts.speculation import (SPECULATION_CLIENT, Branch, SpeculationClient, assign_head_starts,
+from sgl_tts.frontend.backend import REQUEST_FIELDS
+from sgl_tts.fasttts.switches import FASTTTS, FastTTSConfig, from_label
+from sgl_tts.search.programs import load_program
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.fasttts.speculation import (SPECULATION_CLIENT, Branch, SpeculationClient, assign_head_starts,
                                  token_splitter, word_pieces)
 from sgl_tts.testing import EOS_ID, ScriptedModel, ScriptedScorer, _hash
 
@@ -284,7 +284,7 @@ def test_speculation_needs_a_client():
 def test_splitters_cut_at_token_boundaries_and_join_back():
     from transformers import AutoTokenizer
 
-    from sgl_tts.models import resolve_model
+    from sgl_tts.runtime.models import resolve_model
 
     text = "Tom has 3 apples.  He buys 4 more: 3 + 4 = 7 ü"
     assert "".join(word_pieces(text)) == text and len(word_pieces(text)) == 14

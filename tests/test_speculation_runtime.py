@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from eval.datasets import Problem
-from sgl_tts.fasttts import FASTTTS, from_label
-from sgl_tts.registry import load_program
-from sgl_tts.search import SearchConfig
-from sgl_tts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
+from sgl_tts.problems import Problem
+from sgl_tts.fasttts.switches import FASTTTS, from_label
+from sgl_tts.search.programs import load_program
+from sgl_tts.search.api import SearchConfig
+from sgl_tts.fasttts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
 
 pytestmark = pytest.mark.runtime
 

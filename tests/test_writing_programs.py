@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import programs
-from eval.datasets import Problem
-from sgl_tts.registry import load_program, program_names
-from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.problems import Problem
+from sgl_tts.search.programs import load_program, program_names
+from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-programs.md"

@@ -12,12 +12,12 @@ import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sgl_tts.runtime import http_json
+from sgl_tts.runtime.server import http_json
 
 
 def _prompts(tokenizer, count: int) -> list[str]:
-    from eval.datasets import builtin_problems
-    from sgl_tts.backend import chat_prompt
+    from sgl_tts.problems import builtin_problems
+    from sgl_tts.frontend.backend import chat_prompt
 
     questions = [p.question for p in builtin_problems()]
     return [chat_prompt(tokenizer, questions[i % len(questions)] + f" (variant {i})") for i in range(count)]
@@ -57,7 +57,7 @@ def fork_cache_fraction(runtime, prompt: str, width: int = 16, new_tokens: int =
     """Fork `width` branches from one prompt; fraction of the branches' prompt tokens served from cache."""
     import sglang as sgl
 
-    from sgl_tts.backend import TTSEndpoint
+    from sgl_tts.frontend.backend import TTSEndpoint
 
     @sgl.function
     def fork_program(s, prompt):
@@ -79,7 +79,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sgl_tts.runtime import Runtime, RuntimeConfig
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     config = RuntimeConfig(model=args.model, device="cpu", cpu_threads=args.threads,
                            chunked_prefill_size=args.chunked_prefill_size,

@@ -6,7 +6,7 @@
   further step, and every assistant turn is `+`; the score of step k is P(+) / (P(+) + P(-)) where the
   assistant's k-th `+` is predicted (RLHFlow's Llama-3.1-8B-PRM recipe).
 - `ClassifierPRMScorer` (kind `classifier`): a step-classifier PRM (Qwen2.5-Math-PRM style) served by
-  `sgl_tts.prm_models`; the score is the classifier's P(correct) at the step token after each step.
+  `sgl_tts.scoring.prm_models`; the score is the classifier's P(correct) at the step token after each step.
 
 The two logprob-tag PRMs run on a plain SGLang runtime: one batched `/generate` with `max_new_tokens=1`,
 `return_logprob` and `token_ids_logprob=[+, -]`. Tags, tokens and ids come from `ScorerConfig`. All three
@@ -20,13 +20,14 @@ import re
 from abc import abstractmethod
 from typing import Any, Sequence
 
-from sgl_tts.runtime import RuntimeConfig, http_json, request_timeout
-from sgl_tts.scoring import ScorerConfig, ScorerError, StepScorer
+from sgl_tts.runtime.server import RuntimeConfig, http_json, request_timeout
+from sgl_tts.scoring.base import ScorerError, StepScorer
+from sgl_tts.scoring.config import ScorerConfig
 
 
 def classifier_runtime_config(model: str, **overrides: Any) -> RuntimeConfig:
     """The runtime a step-classifier PRM needs (embedding mode, our model class, its memory knobs)."""
-    from sgl_tts.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
+    from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
 
     settings: dict[str, Any] = dict(model=model, is_embedding=True, extra_args=list(SERVER_ARGS),
                                     env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3, max_total_tokens=16384)
@@ -40,7 +41,7 @@ class _RuntimePRM(StepScorer):
     def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
         super().__init__()
         self.config = config
-        self.runtime = runtime  # sgl_tts.runtime.Runtime (needs .url, .name, .check_alive())
+        self.runtime = runtime  # sgl_tts.runtime.server.Runtime (needs .url, .name, .check_alive())
         self.tokenizer = tokenizer
         self._question = re.compile(config.question_pattern, re.S)
 
@@ -193,7 +194,7 @@ class ClassifierPRMScorer(_RuntimePRM):
             raise ValueError(f"scorer.step_token {config.step_token!r} is not a token of the PRM's tokenizer")
 
     def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
-        from sgl_tts.prm_models.client import SYSTEM_PROMPT, batch_classifier_step_rewards, build_prm_text
+        from sgl_tts.scoring.prm_models.client import SYSTEM_PROMPT, batch_classifier_step_rewards, build_prm_text
 
         question = self.question_of(prompt)
         step_token = self.config.step_token

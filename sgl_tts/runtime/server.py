@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sgl_tts.models import resolve_model
+from sgl_tts.runtime.models import resolve_model
 
 LOCALHOST = "127.0.0.1"
 
@@ -36,7 +36,7 @@ class RuntimeDiedError(RuntimeError):
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    model: str = "smollm2-135m"  # built-in name, local HF folder or hub id (see sgl_tts.models)
+    model: str = "smollm2-135m"  # built-in name, local HF folder or hub id (see sgl_tts.runtime.models)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
     attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
@@ -105,7 +105,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
 def server_env(config: RuntimeConfig) -> dict[str, str]:
     env = dict(os.environ)
     if config.device == "cpu":
-        from sgl_tts.cpu_shim import shim_dir
+        from sgl_tts.runtime.cpu_shim import shim_dir
 
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(shim_dir()), env.get("LD_LIBRARY_PATH")]))

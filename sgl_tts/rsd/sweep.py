@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from sgl_tts.grading import grade
-from sgl_tts.metrics import summarize
-from sgl_tts.records import SearchResult
-from sgl_tts.rsd_math import MODELS, RSDConfig, StepRecord, summarize_run
+from sgl_tts.search.grading import grade
+from sgl_tts.app.metrics import summarize
+from sgl_tts.search.records import SearchResult
+from sgl_tts.rsd.acceptance import MODELS, RSDConfig, StepRecord, summarize_run
 
 SWEEP_WEIGHTINGS = ("binary", "logistic")  # the weightings that delta parametrises
 DEFAULT_DELTAS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -313,9 +313,9 @@ def parse_deltas(text: str) -> list[float]:
 
 
 def _cmd_rsd_sweep(args: argparse.Namespace) -> int:
-    from eval.datasets import load_problems
+    from sgl_tts.problems import load_problems
     from sgl_tts.config import ConfigError
-    from sgl_tts.session import Session, load_run_config
+    from sgl_tts.app.session import Session, load_run_config
 
     config = load_run_config(args.config)
     if config.search.program != "rsd":

@@ -1,11 +1,11 @@
-"""`python -m sgl_tts.provision`: build what the CPU default needs (models, shim); idempotent."""
+"""`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim); idempotent."""
 
 from __future__ import annotations
 
 import time
 
-from sgl_tts.cpu_shim import shim_dir
-from sgl_tts.models import provision_smollm2, provision_tiny_random
+from sgl_tts.runtime.cpu_shim import shim_dir
+from sgl_tts.runtime.models import provision_smollm2, provision_tiny_random
 
 
 def main() -> None:

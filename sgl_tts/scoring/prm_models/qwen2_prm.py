@@ -7,7 +7,7 @@ This class runs in SGLang's embedding path (`--is-embedding`, `/encode`): for ea
 
 Readout positions of a request, in order of precedence:
 1. `token_indices_to_pool` of the request (SGLang's multi-position readout field of `/encode`): positions
-   in the full prompt. `sgl_tts.prm_models.client` sends the positions of the step token.
+   in the full prompt. `sgl_tts.scoring.prm_models.client` sends the positions of the step token.
 2. every occurrence of `config.step_token_id`, when the config names it (the tiny test checkpoint does;
    for the real checkpoint add `--json-model-override-args '{"step_token_id": 151651}'`).
 3. otherwise the last token, a single whole-response score.

@@ -3,8 +3,8 @@
 - P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
   (plugin env `SGL_TTS_POLICY=prefix`), and the search tags every generator request with its `BeamTag`.
 - M `memory_plan`: the KV budget is split between the generator and verifier runtimes by the roofline
-  planner (`sgl_tts.roofline.plan_memory`, §4.3) instead of 50/50.
-- S `speculative`: speculative beam extension (`sgl_tts.speculation`, §4.1); the generator runs with
+  planner (`sgl_tts.runtime.roofline.plan_memory`, §4.3) instead of 50/50.
+- S `speculative`: speculative beam extension (`sgl_tts.fasttts.speculation`, §4.1); the generator runs with
   priority scheduling so that standard requests preempt speculative ones.
 All off is the baseline: FCFS, no speculation, a static 50/50 split of the KV budget.
 
@@ -23,11 +23,11 @@ from typing import Any, Callable, Sequence
 from policies import POLICIES
 from policies.base import BeamTag, encode_rid
 from policies.plugin import ENV_POLICY
-from sgl_tts.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
+from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
                               Workload, get_hardware, load_model_spec, plan_memory)
 from sgl_tts.config import ConfigError
-from sgl_tts.runtime import RuntimeConfig
-from sgl_tts.search import Path, SearchConfig, SearchTracker, expand
+from sgl_tts.runtime.server import RuntimeConfig
+from sgl_tts.search.api import Path, SearchConfig, SearchTracker, expand
 
 MIB = 2**20
 FASTTTS = "fasttts"  # Runtimes.extras key: the FastTTSConfig of the run
@@ -47,7 +47,7 @@ class FastTTSConfig:
         there are free batch slots, as in the paper; on a CPU a smaller number slows stragglers less).
     standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
         first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
-    hardware: roofline profile for M (`sgl_tts.roofline.HARDWARE` or `this-machine`, probed).
+    hardware: roofline profile for M (`sgl_tts.runtime.roofline.HARDWARE` or `this-machine`, probed).
     kv_budget_mib: KV-cache memory shared by the generator and verifier runtimes. None: without M the
         runtimes keep their configured `max_total_tokens`; with M the configured budgets of both are
         pooled and re-split (or, when one is unset, the hardware's default budget is split).
@@ -130,7 +130,7 @@ class RuntimeSettings:
 
 def model_spec_for(config: RuntimeConfig) -> ModelSpec:
     """The roofline's view of a runtime's model, in the dtype the runtime will use (fp32 on CPU)."""
-    from sgl_tts.models import resolve_model
+    from sgl_tts.runtime.models import resolve_model
 
     if config.dtype != "auto":
         dtype = config.dtype if config.dtype in DTYPE_BYTES else None
@@ -231,7 +231,7 @@ def describe_settings(settings: RuntimeSettings) -> str:
 def search_extras(fast: FastTTSConfig, generator_runtime: Any, tokenizer: Any = None) -> dict[str, Any]:
     """What the search layer reads from `Runtimes.extras`: the config, and with S the client that sends and
     aborts speculative requests and the tokenizer that truncates speculative text at token boundaries."""
-    from sgl_tts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
+    from sgl_tts.fasttts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
 
     extras: dict[str, Any] = {FASTTTS: fast}
     if fast.speculative:
@@ -314,6 +314,6 @@ def search_steps(runtimes: Any, config: SearchConfig, tracker: SearchTracker, pr
     tagger = BeamTagger(problem_id, fast) if fast.tags_requests else None
     if not fast.speculative:
         return SearchSteps(config, tracker, extract_answer, tagger)
-    from sgl_tts.speculation import SpeculativeSteps
+    from sgl_tts.fasttts.speculation import SpeculativeSteps
 
     return SpeculativeSteps.from_runtimes(runtimes, config, tracker, extract_answer, tagger, fast)

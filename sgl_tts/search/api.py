@@ -13,10 +13,10 @@ from typing import Any, Callable, Literal, Sequence
 
 import sglang as sgl
 
-from sgl_tts.backend import REQUEST_FIELDS
-from sgl_tts.records import Candidate, SearchResult
-from sgl_tts.runtime import RuntimeDiedError
-from sgl_tts.scoring import AGGREGATIONS, ScorerError, StepScorer, aggregate
+from sgl_tts.frontend.backend import REQUEST_FIELDS
+from sgl_tts.search.records import Candidate, SearchResult
+from sgl_tts.runtime.server import RuntimeDiedError
+from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -273,7 +273,7 @@ def build_result(problem_id: str, program: str, paths: Sequence[Path], config: S
                  ) -> SearchResult:
     """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
     selection's tie-breaks do not depend on which request finished first), the selected answer, counts."""
-    from sgl_tts.selection import select
+    from sgl_tts.search.selection import select
 
     end = tracker.elapsed()
     candidates = [

@@ -25,7 +25,7 @@ ARMS = ("baseline", "P", "P+M", "P+M+S")
 
 
 def _bench_config(args: argparse.Namespace) -> Any:
-    from sgl_tts.session import load_run_config
+    from sgl_tts.app.session import load_run_config
 
     config = load_run_config(args.config)
     search = dataclasses.replace(
@@ -57,7 +57,7 @@ class RunMonitor:
         self._stop = threading.Event()
 
     def _cpu(self) -> float:
-        from sgl_tts.runtime import group_members
+        from sgl_tts.runtime.server import group_members
 
         ticks = 0
         for pgid in self.pgids:
@@ -92,7 +92,7 @@ class RunMonitor:
 
 def measure(results: list[Any]) -> dict[str, Any]:
     """The table's numbers for one (arm, n): metrics.aggregate plus speculation counts."""
-    from sgl_tts.metrics import aggregate
+    from sgl_tts.app.metrics import aggregate
 
     summary = aggregate(results)
     speculation: dict[str, int] = {}
@@ -133,9 +133,9 @@ def format_table(rows: dict[tuple[str, int], dict[str, Any]], ns: list[int], arm
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from eval.datasets import load_problems
-    from sgl_tts.fasttts import describe_settings, from_label
-    from sgl_tts.session import Session
+    from sgl_tts.problems import load_problems
+    from sgl_tts.fasttts.switches import describe_settings, from_label
+    from sgl_tts.app.session import Session
 
     base = _bench_config(args)
     ns = [int(n) for n in args.ns.split(",")]

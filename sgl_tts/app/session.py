@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 from sgl_tts.config import load_yaml
-from sgl_tts.fasttts import FastTTSConfig, configure_runtimes, search_extras
-from sgl_tts.records import SearchResult
-from sgl_tts.registry import load_program
-from sgl_tts.rsd_math import RSDConfig
-from sgl_tts.runtime import Runtime, RuntimeConfig, share_cpu_cores
-from sgl_tts.scoring import ScorerConfig, make_scorer
-from sgl_tts.search import Runtimes, SearchConfig
+from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes, search_extras
+from sgl_tts.search.records import SearchResult
+from sgl_tts.search.programs import load_program
+from sgl_tts.rsd.acceptance import RSDConfig
+from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
+from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.factory import make_scorer
+from sgl_tts.search.api import Runtimes, SearchConfig
 
 @dataclass(frozen=True)
 class DatasetConfig:
@@ -40,7 +41,7 @@ class RunConfig:
     # RSD's target model: its own runtime, or "generator" to let the generator's runtime (the draft) serve it.
     target: RuntimeConfig | Literal["generator"] | None = None
     rsd: RSDConfig = field(default_factory=RSDConfig)  # read by the rsd program
-    fasttts: FastTTSConfig = field(default_factory=FastTTSConfig)  # switches P, M, S (sgl_tts.fasttts)
+    fasttts: FastTTSConfig = field(default_factory=FastTTSConfig)  # switches P, M, S (sgl_tts.fasttts.switches)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -81,7 +82,7 @@ class Session:
     def _start(self) -> None:
         from transformers import AutoTokenizer
 
-        from sgl_tts.backend import TTSEndpoint, chat_prompt
+        from sgl_tts.frontend.backend import TTSEndpoint, chat_prompt
 
         began = time.monotonic()
         log_dir = self.config.log_dir

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from sgl_tts.grading import answers_equal
+from sgl_tts.search.grading import answers_equal
 
 Equal = Callable[[str, str], bool]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sgl_tts.prm_models.tiny import STEP_TOKEN
+from sgl_tts.scoring.prm_models.tiny import STEP_TOKEN
 
 
 def score_head(hidden_size: int) -> nn.Sequential:

@@ -34,9 +34,9 @@ from typing import Any, Callable, Sequence
 import sglang as sgl
 
 from policies.speculative import SpeculativeSelector, TruncationSampler, speculative_slots
-from sgl_tts.fasttts import BeamTagger, FastTTSConfig, SearchSteps
-from sgl_tts.scoring import aggregate
-from sgl_tts.search import (Path, SearchConfig, SearchTracker, append_step, finish_reason_of, set_request_fields,
+from sgl_tts.fasttts.switches import BeamTagger, FastTTSConfig, SearchSteps
+from sgl_tts.scoring.base import aggregate
+from sgl_tts.search.api import (Path, SearchConfig, SearchTracker, append_step, finish_reason_of, set_request_fields,
                             wait_meta)
 
 SPECULATION_CLIENT = "speculation_client"  # Runtimes.extras key: a SpeculationClient for the generator
@@ -65,7 +65,7 @@ class HttpSpeculationClient(SpeculationClient):
         self.runtime = runtime
 
     def speculate(self, text: str, sampling_params: dict[str, Any], fields: dict[str, Any]) -> tuple[str, dict]:
-        from sgl_tts.runtime import http_json, request_timeout
+        from sgl_tts.runtime.server import http_json, request_timeout
 
         answer = http_json(self.runtime.url + "/generate",
                            {"text": text, "sampling_params": sampling_params, **fields},
@@ -73,7 +73,7 @@ class HttpSpeculationClient(SpeculationClient):
         return answer["text"], answer["meta_info"]
 
     def abort(self, rid: str) -> None:
-        from sgl_tts.runtime import http_json
+        from sgl_tts.runtime.server import http_json
 
         http_json(self.runtime.url + "/abort_request", {"rid": rid}, timeout=30)
 

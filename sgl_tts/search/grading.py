@@ -244,7 +244,7 @@ class _MathVerifyHelper:
         self._stop()
         package_root = Path(__file__).resolve().parents[1]
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from sgl_tts.grading import _serve_math_verify; _serve_math_verify()"],
+            [sys.executable, "-c", "from sgl_tts.search.grading import _serve_math_verify; _serve_math_verify()"],
             cwd=package_root,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -28,7 +28,7 @@ class TTSEndpoint(RuntimeEndpoint):
         """One /generate request for the state's text: RuntimeEndpoint's body plus our request fields."""
         from sglang.lang.global_config import global_config
 
-        from sgl_tts.runtime import http_json, request_timeout
+        from sgl_tts.runtime.server import http_json, request_timeout
 
         self._handle_dtype_to_regex(sampling_params)
         body: dict[str, Any] = {

@@ -10,7 +10,7 @@ from typing import Sequence
 
 
 def _cmd_programs(args: argparse.Namespace) -> int:
-    from sgl_tts.registry import program_names, program_summary
+    from sgl_tts.search.programs import program_names, program_summary
 
     for name in program_names():
         print(f"{name:24s} {program_summary(name)}")
@@ -20,11 +20,11 @@ def _cmd_programs(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from eval.datasets import load_problems
+    from sgl_tts.problems import load_problems
     from sgl_tts.config import ConfigError
-    from sgl_tts.report import print_run
-    from sgl_tts.runtime import RuntimeConfig
-    from sgl_tts.session import Session, load_run_config
+    from sgl_tts.app.report import print_run
+    from sgl_tts.runtime.server import RuntimeConfig
+    from sgl_tts.app.session import Session, load_run_config
 
     config = load_run_config(args.config)
     search_overrides = {}
@@ -72,30 +72,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench_commands = bench.add_subparsers(dest="bench", required=True)
-    from sgl_tts.bench_runtime import add_bench_runtime_parser
+    from sgl_tts.bench.runtime import add_bench_runtime_parser
 
     add_bench_runtime_parser(bench_commands)
-    from sgl_tts.bench_fasttts import add_bench_fasttts_parser
+    from sgl_tts.bench.fasttts import add_bench_fasttts_parser
 
     add_bench_fasttts_parser(bench_commands)
 
     plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
     plan_commands = plan.add_subparsers(dest="plan", required=True)
-    from sgl_tts.specdec import add_plan_spec_parser
+    from sgl_tts.rsd.specdec import add_plan_spec_parser
 
     add_plan_spec_parser(plan_commands)
-    from sgl_tts.roofline import add_plan_memory_parser
+    from sgl_tts.runtime.roofline import add_plan_memory_parser
 
     add_plan_memory_parser(plan_commands)
 
-    from sgl_tts.rsd_sweep import add_rsd_sweep_parser
+    from sgl_tts.rsd.sweep import add_rsd_sweep_parser
 
     add_rsd_sweep_parser(commands)
 
-    from eval.runner import add_eval_parser
-
-    add_eval_parser(commands)
+    add_plugin_commands(commands)
     return parser
+
+
+COMMANDS_GROUP = "sgl_tts.commands"  # entry points: name -> function(subparsers) that adds a subcommand
+
+
+def add_plugin_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands that layers above this package register as entry points (`sgl-tts eval` comes from the
+    `eval` package): the command line reaches them without `sgl_tts` importing the layers above it."""
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(commands)
 
 
 def stop_on_sigterm() -> None:
@@ -113,10 +123,10 @@ def stop_on_sigterm() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop_on_sigterm()
-    from eval.datasets import DatasetError
     from sgl_tts.config import ConfigError
-    from sgl_tts.models import ModelNotFoundError
-    from sgl_tts.runtime import RuntimeStartError
+    from sgl_tts.problems import DatasetError
+    from sgl_tts.runtime.models import ModelNotFoundError
+    from sgl_tts.runtime.server import RuntimeStartError
 
     try:
         return int(args.func(args) or 0)

@@ -7,5 +7,5 @@ checkpoint's `config.json` names in `architectures`. A runtime serving such a mo
 Importing this package does not import SGLang.
 """
 
-EXTERNAL_MODEL_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_tts.prm_models"}
+EXTERNAL_MODEL_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "sgl_tts.scoring.prm_models"}
 SERVER_ARGS = ("--disable-radix-cache", "--chunked-prefill-size", "-1")

@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sgl_tts.grading import grade
-from sgl_tts.records import SearchResult
-from sgl_tts.selection import best_score, majority_vote, pass_at_n, weighted_vote
+from sgl_tts.search.grading import grade
+from sgl_tts.search.records import SearchResult
+from sgl_tts.search.selection import best_score, majority_vote, pass_at_n, weighted_vote
 
 CORRECTNESS_KEYS = ("correct", "majority_correct", "weighted_correct", "best_correct")
 

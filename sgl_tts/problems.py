@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from sgl_tts.records import parse_json_object
+from sgl_tts.search.records import parse_json_object
 
 
 class DatasetError(ValueError):

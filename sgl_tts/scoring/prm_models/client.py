@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sgl_tts.runtime import http_json
+from sgl_tts.runtime.server import http_json
 
 STEP_TOKEN = "<extra_0>"
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
-from sgl_tts.grading import grade
-from sgl_tts.records import SearchResult
+from sgl_tts.search.grading import grade
+from sgl_tts.search.records import SearchResult
 
 
 def _short(text: str | None, width: int = 12) -> str:
@@ -41,7 +41,7 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
           f"verifier {sum(r.verifier_time_s for r in results_only):.0f} s | "
           f"prefix cache hit {sum(r.cached_tokens for r in results_only) / max(1, sum(r.prompt_tokens for r in results_only)):.0%}")
     if any("rsd" in r.extra for r in results_only):
-        from sgl_tts.rsd_sweep import summary_lines
+        from sgl_tts.rsd.sweep import summary_lines
 
         for line in summary_lines(results_only):
             print(line)

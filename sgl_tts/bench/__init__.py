@@ -1,0 +1,1 @@
+"""Benchmarks that print side-by-side ratios: the runtime against HF generate, the FastTTS ablation."""

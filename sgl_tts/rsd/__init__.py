@@ -1,0 +1,1 @@
+"""Reward-guided speculative decoding: acceptance math, the delta sweep, token-level speculative decoding."""

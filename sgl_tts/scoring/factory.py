@@ -1,0 +1,26 @@
+"""Scorers by kind: the registry `make_scorer` builds a run's scorer from."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sgl_tts.registry import Registry
+from sgl_tts.scoring.base import StepScorer
+from sgl_tts.scoring.config import KINDS, ScorerConfig
+from sgl_tts.scoring.likelihood import LikelihoodScorer
+from sgl_tts.scoring.prm import ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer
+
+ScorerFactory = Callable[[ScorerConfig, Any, Any], StepScorer]  # (config, runtime, tokenizer) -> scorer
+
+SCORERS: Registry[ScorerFactory] = Registry("scorer kind", {
+    "likelihood": lambda config, runtime, tokenizer: LikelihoodScorer(runtime, tokenizer),
+    "math_shepherd": MathShepherdScorer,
+    "rlhflow": RLHFlowScorer,
+    "classifier": ClassifierPRMScorer,
+})
+assert tuple(SCORERS) == KINDS, "ScorerConfig's KINDS and the SCORERS registry must list the same kinds"
+
+
+def make_scorer(config: ScorerConfig, runtime: Any, tokenizer: Any) -> StepScorer:
+    """The configured scorer, reading from `runtime` (a started Runtime) with `tokenizer`."""
+    return SCORERS[config.kind](config, runtime, tokenizer)
