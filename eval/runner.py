@@ -92,16 +92,8 @@ class RequestLog:
         self._entries: dict[int, list[dict[str, Any]]] = {}
 
     def instrument(self, backend: Any, name: str = "generator") -> None:
-        """Wrap `backend.generate` (on the instance; the class is untouched); entries carry `name`."""
-        original = backend.generate
-
-        def generate(s, sampling_params):
-            began = time.perf_counter()
-            text, meta = original(s, sampling_params)
-            self._add(name, s.text_, time.perf_counter() - began, meta or {})
-            return text, meta
-
-        backend.generate = generate
+        """Observe every request of `backend` (a `SearchBackend`, per-run views included); entries carry `name`."""
+        backend.observe(lambda text, seconds, meta: self._add(name, text, seconds, meta or {}))
 
     def begin(self, *prompts: str) -> int:
         """Start collecting for one problem, whose requests start with one of `prompts`."""
@@ -167,23 +159,15 @@ def request_windows(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def end_leaked_executors(backends: list[Any]) -> int:
-    """End the SGLang frontend executors on `backends` that are still running; returns how many.
+    """End the SGLang frontend executors on `backends` (and their per-run views) that are still running.
 
     Every program state (and fork) has an executor with a non-daemon worker thread that ends when the state is
     garbage-collected. A program that keeps its states reachable from the program's own arguments (a reference
     cycle through the worker thread) leaks one thread per fork, and a process with such threads never exits.
     Called between units, when none of these backends' programs is running."""
-    import gc
+    from sgl_tts.frontend.sglang_internals import end_program_states
 
-    from sglang.lang.interpreter import StreamExecutor
-
-    ended = 0
-    for obj in gc.get_objects():
-        if (type(obj) is StreamExecutor and obj.use_thread and obj.worker.is_alive()  # type(): no __class__ lookups
-                and any(obj.backend is backend for backend in backends)):
-            obj.end()
-            ended += 1
-    return ended
+    return end_program_states(backends)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import dataclasses
 
 import sglang as sgl
 
-from sgl_tts.fasttts.switches import search_steps
 from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
                             SearchConfig, SearchResult, SearchTracker)
 
@@ -26,15 +25,13 @@ def keep_count(config: SearchConfig) -> int:
 
 @sgl.function
 def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
-                        finished: list[Path], problem_id: str = "search"):
+                        finished: list[Path]):
     s += prompt
     beams = [Path(state=s)]
-    # Generation and verification of one iteration; with FastTTS P or S on (runtimes.extras) requests are
-    # tagged for the scheduler policy, with S idle slots run speculative continuations (sgl_tts.fasttts.switches).
-    steps = search_steps(runtimes, config, tracker, problem_id, extract_answer)
     for iteration in range(config.max_steps):
         fan_out = config.n if iteration == 0 else config.beam_width
-        children = steps.step(beams, fan_out, iteration, runtimes.scorer, prompt)
+        children = expand([(beam, fan_out) for beam in beams], config, tracker, extract_answer)
+        tracker.score(runtimes.scorer, prompt, children)
         finished += [c for c in children if not c.active]
         active = [c for c in children if c.active]
         if config.lookahead and active:
@@ -70,4 +67,4 @@ def lookahead_rank_key(path: Path) -> tuple[float, str]:
 
 
 def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    return run_search(beam_search_program, problem, "beam_search", config, runtimes, problem_id=problem.id)
+    return run_search(beam_search_program, problem, "beam_search", config, runtimes)

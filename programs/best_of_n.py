@@ -10,13 +10,13 @@ import sglang as sgl
 
 from sgl_tts.search import (RUNTIME_FAILURES, build_result, extract_answer, finish, Path, Runtimes,
                             search_failed, SearchConfig, SearchResult,
-                            SearchTracker, split_steps, wait_meta)
+                            SearchTracker, start_search, split_steps, wait_meta)
 
 
 @sgl.function
 def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchTracker):
     s += prompt
-    s.text()  # commit the prompt so the fork pre-caches it (DESIGN.md)
+    s.text()  # commit the prompt so the fork pre-caches it (docs/sglang.md)
     forks = s.fork(config.n)
     for fork in forks:
         fork += sgl.gen("solution", max_tokens=config.max_tokens, temperature=config.temperature,
@@ -24,7 +24,6 @@ def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchTrack
     paths = []
     for fork in forks:
         meta = wait_meta(fork, "solution")
-        tracker.record(meta)
         text = fork["solution"]
         path = Path(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
                     tokens=int(meta.get("completion_tokens", 0)))
@@ -37,10 +36,13 @@ def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchTrack
 
 
 def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    tracker = SearchTracker(config)
+    runtimes, tracker = start_search(runtimes, config, problem.id)
     prompt = runtimes.prompt(problem.question)
-    state = best_of_n_program.run(prompt=prompt, config=config, tracker=tracker, backend=runtimes.generator)
-    paths = state.ret_value
+    try:
+        paths = best_of_n_program.run(prompt=prompt, config=config, tracker=tracker,
+                                      backend=runtimes.generator).ret_value
+    except RUNTIME_FAILURES as exc:
+        raise search_failed(problem.id, "best_of_n", [], config, tracker, exc) from exc
     tracker.generator_time_s = tracker.elapsed()
     tracker.iterations = 1
     if runtimes.scorer is not None:

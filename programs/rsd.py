@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,6 +39,7 @@ import sglang as sgl
 from sgl_tts.search import (build_result, extract_answer, finish, finish_reason_of, Path, Runtimes,
                             SearchConfig, SearchResult, SearchTracker, wait_meta)
 from sgl_tts.rsd.acceptance import RSDConfig, StepRecord, accept_draft_step, summarize_run
+from sgl_tts.rsd.step_cache import StepCache
 
 T = TypeVar("T")
 
@@ -61,36 +61,6 @@ class ScoreOutput:
     score: float
     tokens: int  # tokens the scorer read for this score (its tokens_processed counter)
     time_s: float
-
-
-class StepCache:
-    """Memo of the work RSD does at one context: the draft's step, its score and the target's step.
-
-    The key holds everything that work depends on (prompts, the steps so far, the step's token budget), so a
-    cached entry is what a rerun would compute whenever generation is deterministic (temperature 0). With
-    sampling, runs that share the cache share each context's samples (common random numbers).
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def fetch(self, part: str, key: tuple, compute: Callable[[], T]) -> tuple[T, bool]:
-        """(value, was cached) for `part` ('draft', 'score' or 'target') at `key`."""
-        with self._lock:
-            if (part, key) in self._entries:
-                self.hits += 1
-                return self._entries[(part, key)], True
-        value = compute()  # outside the lock: other problems go on meanwhile
-        with self._lock:
-            self.misses += 1
-            self._entries[(part, key)] = value
-        return value, False
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 @sgl.function
@@ -248,9 +218,7 @@ def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
             draft_time_s=draft.time_s, target_time_s=target.time_s if target else 0.0, prm_time_s=scored.time_s))
         for written in (draft, target):
             if written is not None:
-                tracker.generated_tokens += written.tokens
-                tracker.prompt_tokens += written.prompt_tokens
-                tracker.cached_tokens += written.cached_tokens
+                tracker.record(written.tokens, written.prompt_tokens, written.cached_tokens)
                 tracker.generator_time_s += written.time_s
         tracker.verifier_time_s += scored.time_s
         tracker.verifier_calls += 1

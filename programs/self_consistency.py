@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 from programs.best_of_n import best_of_n_program
-from sgl_tts.search import build_result, Runtimes, SearchConfig, SearchResult, SearchTracker
+from sgl_tts.search import build_result, Runtimes, SearchConfig, SearchResult, SearchTracker, start_search
 
 
 def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    tracker = SearchTracker(config)
+    runtimes, tracker = start_search(runtimes, config, problem.id)
     state = best_of_n_program.run(prompt=runtimes.prompt(problem.question), config=config, tracker=tracker,
                                   backend=runtimes.generator)
     tracker.generator_time_s = tracker.elapsed()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Sequence
 
 from sglang.lang.backend.base_backend import BaseBackend
 
+from sgl_tts.frontend.backend import SearchBackend
 from sgl_tts.scoring.base import StepScorer
 
 EOS_ID = 2
@@ -50,8 +52,10 @@ class ScriptedModel:
         return " ".join(words), "step"
 
 
-class ScriptedBackend(BaseBackend):
-    """Serves `ScriptedModel` through the frontend: one `generate` per `sgl.gen`."""
+class ScriptedBackend(SearchBackend, BaseBackend):
+    """Serves `ScriptedModel` through the frontend: one `generate` per `sgl.gen`, with the lineage tags,
+    accounting and per-run views of every sgl-tts backend. A search seed other than 0 gives other (equally
+    reproducible) samples: the variant key becomes (seed, k)."""
 
     def __init__(self, model: ScriptedModel | None = None):
         super().__init__()
@@ -65,17 +69,20 @@ class ScriptedBackend(BaseBackend):
         return "scripted"
 
     def commit_lazy_operations(self, s) -> None:
+        self.request_fields(s)  # a fork's prefix pre-send: the parent gets its lineage node, as on a runtime
         with self._lock:
             self._seen_prefixes.add(s.text_)
 
-    def next_variant(self, text: str) -> int:
+    def next_variant(self, text: str) -> int | str:
         with self._lock:
             variant = self._variants[text]
             self._variants[text] += 1
-            return variant
+        return variant if not self.seed else f"{self.seed}:{variant}"
 
     def generate(self, s, sampling_params):
+        began = time.perf_counter()
         text = s.text_
+        fields = self.request_fields(s)
         variant = self.next_variant(text)
         budget = sampling_params.max_new_tokens or 10**9
         stop = sampling_params.stop
@@ -105,10 +112,10 @@ class ScriptedBackend(BaseBackend):
         with self._lock:
             cached = max((len(p) for p in self._seen_prefixes if text.startswith(p)), default=0)
             self._seen_prefixes.add(text)
-            record = {"text": text, "variant": variant, "fields": dict(s.variables.get("_sgl_tts_request_fields") or {})}
-            self.requests.append(record)
+            self.requests.append({"text": text, "variant": variant, "fields": fields})
         meta = {"completion_tokens": produced, "prompt_tokens": len(text), "cached_tokens": cached,
                 "finish_reason": reason}
+        self.finished(text, began, meta, output)
         return output, meta
 
 

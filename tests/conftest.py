@@ -29,3 +29,19 @@ def tiny_search_runtimes(tiny_runtime):
     tokenizer = AutoTokenizer.from_pretrained(tiny_runtime.model_path)
     return Runtimes(generator=TTSEndpoint(tiny_runtime), scorer=LikelihoodScorer(tiny_runtime, tokenizer),
                     prompt=lambda question: chat_prompt(tokenizer, question))
+
+
+@pytest.fixture(scope="session")
+def policy_runtime(tmp_path_factory):
+    """A tiny-model runtime with SGL_TTS_POLICY=prefix, metrics on, and one request running at a time, so
+    that every other request waits in the queue the policy orders (each reordering is traced to a file)."""
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+
+    folder = tmp_path_factory.mktemp("policy-runtime")
+    trace = folder / "trace.jsonl"
+    config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, max_running_requests=1,
+                           startup_timeout_s=600, extra_args=["--schedule-policy", "fcfs", "--enable-metrics"],
+                           env={"SGL_TTS_POLICY": "prefix", "SGL_TTS_POLICY_TRACE": str(trace)})
+    runtime = Runtime.start(config, name="policy", log_dir=folder)
+    yield runtime, trace
+    runtime.stop()

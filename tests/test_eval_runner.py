@@ -13,6 +13,7 @@ from sgl_tts.problems import DatasetError, Problem
 from eval.experiment import load_experiment, plain
 from eval.report import row_key
 from eval.results import ResultStore, config_hash
+from sgl_tts.frontend.backend import SearchBackend
 from eval.runner import SCRIPTED_PROMPT, EvalRun, RequestLog, request_windows
 from sgl_tts.config import ConfigError
 from sgl_tts.app.metrics import problem_metrics
@@ -243,11 +244,12 @@ def test_a_folder_holding_another_experiment_is_refused(tmp_path):
         run(write_experiment(tmp_path, dataset, n_values=[2, 4]), tmp_path / "run")
 
 
-class FakeBackend:
+class FakeBackend(SearchBackend):
     def __init__(self, meta):
         self.meta = meta
 
     def generate(self, s, sampling_params):
+        self.finished(s.text_, time.perf_counter(), dict(self.meta))
         return "out", dict(self.meta)
 
 

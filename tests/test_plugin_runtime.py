@@ -13,22 +13,6 @@ from policies.base import BeamTag, decode_rid, encode_rid
 pytestmark = pytest.mark.runtime
 
 
-@pytest.fixture(scope="module")
-def policy_runtime(tmp_path_factory):
-    """A tiny-model runtime with SGL_TTS_POLICY=prefix and one request running at a time, so that every
-    other request waits in the queue the policy orders."""
-    from sgl_tts.runtime.server import Runtime, RuntimeConfig
-
-    folder = tmp_path_factory.mktemp("policy-runtime")
-    trace = folder / "trace.jsonl"
-    config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, max_running_requests=1,
-                           startup_timeout_s=600, extra_args=["--schedule-policy", "fcfs"],
-                           env={"SGL_TTS_POLICY": "prefix", "SGL_TTS_POLICY_TRACE": str(trace)})
-    runtime = Runtime.start(config, name="policy", log_dir=folder)
-    yield runtime, trace
-    runtime.stop()
-
-
 def test_plugin_reorders_the_waiting_queue_inside_the_scheduler(policy_runtime):
     from sgl_tts.runtime.server import http_json
 

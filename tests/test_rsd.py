@@ -422,7 +422,7 @@ class FakeRuntime:
 
 
 class FakeEndpoint:
-    def __init__(self, runtime):
+    def __init__(self, runtime, **settings):
         self.runtime = runtime
 
 

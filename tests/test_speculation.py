@@ -21,12 +21,12 @@ from sglang.lang.backend.base_backend import BaseBackend
 from sgl_tts.problems import Problem
 from policies.base import decode_rid
 from policies.speculative import TruncationSampler
-from sgl_tts.frontend.backend import REQUEST_FIELDS
-from sgl_tts.fasttts.switches import FASTTTS, FastTTSConfig, from_label
+from sgl_tts.frontend.backend import SearchBackend
+from sgl_tts.fasttts.switches import FastTTSConfig, from_label
 from sgl_tts.search.programs import load_program
 from sgl_tts.search.api import Runtimes, SearchConfig
-from sgl_tts.fasttts.speculation import (SPECULATION_CLIENT, Branch, SpeculationClient, assign_head_starts,
-                                 token_splitter, word_pieces)
+from sgl_tts.fasttts.speculation import (Branch, SpeculationClient, assign_head_starts, extension_factory,
+                                         token_splitter, word_pieces)
 from sgl_tts.testing import EOS_ID, ScriptedModel, ScriptedScorer, _hash
 
 DELIMITER = "\n\n"
@@ -34,7 +34,7 @@ PROMPT = "Q: what is two plus two?" + DELIMITER
 PROBLEM = Problem(id="p1", question="what is two plus two?", gold="4")
 
 
-class TimedScriptedBackend(BaseBackend, SpeculationClient):
+class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
     """A fake generator runtime with per-token delays, priorities ignored, and aborts (see the module doc)."""
 
     def __init__(self, model: ScriptedModel, token_delay_s=None, speculative_delay_s=None):
@@ -113,8 +113,13 @@ class TimedScriptedBackend(BaseBackend, SpeculationClient):
 
     def generate(self, s, sampling_params):
         assert sampling_params.stop == DELIMITER, "steps stop at the delimiter"
-        rid = (s.variables.get(REQUEST_FIELDS) or {}).get("rid")
-        return self._run("standard", s.text_, sampling_params.max_new_tokens, rid)
+        began = time.perf_counter()
+        text, meta = self._run("standard", s.text_, sampling_params.max_new_tokens, self.request_fields(s)["rid"])
+        self.finished(s.text_, began, meta, text)
+        return text, meta
+
+    def commit_lazy_operations(self, s):
+        self.request_fields(s)  # the fork's parent gets its lineage node, as on a runtime
 
     def speculate(self, text, sampling_params, fields):
         assert sampling_params["stop"] == [DELIMITER]
@@ -141,12 +146,13 @@ SEARCH = SearchConfig(n=8, beam_width=2, max_steps=5, max_step_tokens=64, max_to
 MODEL = TaggedModel(answer_depth=3, answer_chance=0.3, eos_chance=0.05)
 
 
-def run(fast, prompt=PROMPT, search=SEARCH, model=MODEL, client=None, **backend_args):
+def run(fast, prompt=PROMPT, search=SEARCH, model=MODEL, client=None, program="beam_search", **backend_args):
     backend = TimedScriptedBackend(model, **backend_args)
+    if fast.speculative:
+        backend.extension_factory = extension_factory(fast, client or backend, seed=fast.seed)
     scorer = ScriptedScorer()
-    extras = {FASTTTS: fast, SPECULATION_CLIENT: client or backend}
-    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: prompt, extras=extras)
-    result = load_program("beam_search")(PROBLEM, search, runtimes)
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: prompt)
+    result = load_program(program)(PROBLEM, search, runtimes)
     return result, backend, scorer
 
 
@@ -173,21 +179,29 @@ def test_with_s_on_the_verifier_receives_exactly_the_steps_it_receives_with_s_of
     assert "speculation" not in plain.extra
 
 
-def test_lookahead_verifies_whole_speculative_steps_early_without_changing_the_search():
-    plain, _, plain_scorer = run(FastTTSConfig())
+def test_whole_speculative_steps_become_steps_without_generation_and_the_search_is_unchanged():
+    plain, plain_backend, plain_scorer = run(FastTTSConfig())
     fast = from_label("S", truncation_ratio=0.0, truncation_std=0.0)
     spec, backend, spec_scorer = run(fast, speculative_delay_s=lambda done, variant: 0.0005)
     stats = spec.extra["speculation"]
-    assert stats["whole"] > 0 and stats["lookahead_steps"] > 0 and stats["lookahead_scores"] > 0, stats
+    assert stats["whole"] > 0 and stats["lookahead_steps"] > 0, stats
     assert candidates(spec) == candidates(plain)
-    plain_prefixes = {path for call in scored_paths(plain_scorer) for path in call}
-    spec_prefixes = {path for call in scored_paths(spec_scorer) for path in call}
-    # Every path the plain search verified was verified: as sent, or inside a lookahead request holding
-    # one step more. Children whose step came whole and verified from speculation are not sent again.
-    assert plain_prefixes <= spec_prefixes | {p[:-1] for p in spec_prefixes}
-    assert any(p not in spec_prefixes for p in plain_prefixes), "some children rode along a lookahead request"
-    # A whole step rides along its child's request: never more verifier requests than without S.
-    assert sum(map(len, spec_scorer.calls)) == sum(map(len, plain_scorer.calls)) - stats["lookahead_scores"]
+    assert scored_paths(spec_scorer) == scored_paths(plain_scorer), "the verifier scores the same steps"
+    assert len(backend.entries("standard")) == len(plain_backend.entries("standard")) - stats["lookahead_steps"], \
+        "a child that took a whole speculative step sends no standard request"
+
+
+@pytest.mark.parametrize("program", ["dvts", "dynamic_branching", "varying_granularity"])
+def test_every_program_that_grows_paths_with_expand_gets_speculation(program):
+    """No program file knows of FastTTS: S on the backend reaches every `expand`, and with R = 0 the search
+    is the one it is without S."""
+    plain, _, plain_scorer = run(FastTTSConfig(), program=program)
+    spec, backend, spec_scorer = run(EQUIVALENT_S, program=program)
+    stats = spec.extra["speculation"]
+    assert stats["launched"] > 0 and backend.entries("speculative"), f"{program} speculates: {stats}"
+    assert all(decode_rid(e["rid"]).speculative for e in backend.entries("speculative"))
+    assert candidates(spec) == candidates(plain) and spec.answer == plain.answer
+    assert scored_paths(spec_scorer) == scored_paths(plain_scorer)
 
 
 def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard_child_finishes():
@@ -272,13 +286,6 @@ def test_failed_speculative_requests_do_not_stop_the_search():
     plain, _, _ = run(FastTTSConfig())
     assert result.extra["speculation"]["failed"] > 0
     assert candidates(result) == candidates(plain)
-
-
-def test_speculation_needs_a_client():
-    runtimes = Runtimes(generator=TimedScriptedBackend(MODEL), scorer=ScriptedScorer(), prompt=lambda q: PROMPT,
-                        extras={FASTTTS: from_label("S")})
-    with pytest.raises(ValueError, match="speculation client"):
-        load_program("beam_search")(PROBLEM, SEARCH, runtimes)
 
 
 def test_splitters_cut_at_token_boundaries_and_join_back():

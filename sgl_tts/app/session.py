@@ -14,14 +14,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 from sgl_tts.config import load_yaml
-from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes, search_extras
+from sgl_tts.fasttts.speculation import HttpSpeculationClient, extension_factory
+from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.programs import load_program
 from sgl_tts.rsd.acceptance import RSDConfig
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring.config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
-from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.api import Runtimes, SearchConfig, fill_in_counts
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # SGLang honours per-request sampling_seed only with it
+
 
 @dataclass(frozen=True)
 class DatasetConfig:
@@ -119,8 +123,13 @@ class Session:
         scorer_tokenizer = (tokenizer if scorer_runtime is generator
                             else AutoTokenizer.from_pretrained(scorer_runtime.model_path))
         self.tokenizer = tokenizer
+        fast = self.config.fasttts
         self.search_runtimes = Runtimes(
-            generator=TTSEndpoint(generator),
+            generator=TTSEndpoint(
+                generator, standard_priority=fast.standard_priority if fast.speculative else None,
+                send_seed=DETERMINISTIC_FLAG in generator.config.extra_args,
+                extension_factory=extension_factory(fast, HttpSpeculationClient(generator, fast.engine_batch),
+                                                    tokenizer, fast.seed) if fast.speculative else None),
             scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
         )
@@ -129,13 +138,16 @@ class Session:
             # Steps pass as text: the target gets its own prompt, in its own chat format.
             target_tokenizer = (tokenizer if target.model_path == generator.model_path
                                 else AutoTokenizer.from_pretrained(target.model_path))
-            self.search_runtimes.target = TTSEndpoint(target)
+            self.search_runtimes.target = TTSEndpoint(target, send_seed=DETERMINISTIC_FLAG in target.config.extra_args)
             self.search_runtimes.extras["target_prompt"] = lambda question: chat_prompt(target_tokenizer, question)
         self.search_runtimes.extras["rsd"] = self.config.rsd
-        self.search_runtimes.extras.update(search_extras(self.config.fasttts, generator, tokenizer))
 
     def solve(self, problem: Any, search: SearchConfig | None = None) -> SearchResult:
-        return self.program(problem, search or self.config.search, self.search_runtimes)
+        """One search. Its runtimes are a per-run view (`Runtimes.for_run`): every generator request it sends
+        is counted, so a program that counts nothing itself still reports the server's token counts."""
+        search = search or self.config.search
+        runtimes = self.search_runtimes.for_run(search.seed, str(problem.id))
+        return fill_in_counts(self.program(problem, search, runtimes), runtimes.ledger)
 
     def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None
                   ) -> Iterator[tuple[Any, SearchResult]]:

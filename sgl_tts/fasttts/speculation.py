@@ -1,21 +1,23 @@
-"""Speculative beam extension in the search layer (FastTTS §4.1, Algorithm 1).
+"""Speculative beam extension beneath the search API (FastTTS §4.1, Algorithm 1).
 
-One beam-search iteration with S on (`SpeculativeSteps.step`):
-1. Every kept beam is forked into its copies. A copy may start with a head start: speculative text its
-   beam generated during the previous iteration. The original copy keeps all of it, duplicates keep a
-   truncated share drawn around R (Algorithm 1, lines 18-19). A head start that holds a whole step is the
-   copy's step: nothing is generated for it (LookAhead, §4.1.3).
+Any program that grows paths with `sgl_tts.search.expand` gets this when S is on: the run's backend
+carries a `SpeculativeExtension` (`SearchBackend.extension`) and `expand` hands it the iteration.
+One `expand` with S on:
+1. Every parent is forked into its copies. A copy may start with a head start: speculative text its parent
+   generated during the previous iteration. The original copy keeps all of it, duplicates keep a truncated
+   share drawn around R (Algorithm 1, lines 18-19). A head start that holds a whole step is the copy's step:
+   nothing is generated for it (LookAhead, §4.1.3).
 2. While the standard requests run, each child that has finished its step fills a free batch slot with a
    speculative continuation (a separate /generate with a speculative rid and a low priority): highest
-   score bin first, the bins coming from the previous iteration's scores (`SpeculativeSelector`), at most
-   as many as standard requests have finished (`speculative_slots`). Standard work always comes first:
-   it is launched before any speculation and outranks it in the runtime's priority scheduler.
+   score bin first, the bins coming from the parents' scores (`SpeculativeSelector`), at most as many as
+   standard requests have finished (`speculative_slots`), and never more than the engine has idle
+   (`SpeculationClient.idle_slots`: the engine's running and waiting requests, read from `GET /v1/loads`,
+   against `fasttts.engine_batch`; every search in flight shares that capacity). Standard work always comes
+   first: it is launched before any speculation and outranks it in the runtime's priority scheduler.
 3. The moment the last standard child finishes, every speculative request still running is aborted
    (`POST /abort_request`), so speculation adds no tail latency; SGLang answers an aborted request with
-   the text generated so far and finish_reason type "abort".
-4. The verifier scores the standard steps only (algorithmic equivalence). With LookAhead, a child's
-   speculative whole next step is verified in the same request as the child's step, and that score is
-   reused if the child is selected. Aborted requests' partial texts are collected while the verifier runs.
+   the text generated so far and finish_reason type "abort", which becomes a partial head start.
+The verifier scores the standard steps only (algorithmic equivalence): the program's scoring is unchanged.
 """
 
 from __future__ import annotations
@@ -33,16 +35,17 @@ from typing import Any, Callable, Sequence
 
 import sglang as sgl
 
+from policies.base import encode_rid
 from policies.speculative import SpeculativeSelector, TruncationSampler, speculative_slots
-from sgl_tts.fasttts.switches import BeamTagger, FastTTSConfig, SearchSteps
+from sgl_tts.fasttts.switches import FastTTSConfig
+from sgl_tts.frontend.lineage import node_of
+from sgl_tts.frontend.sglang_internals import generation_done, wait_meta
 from sgl_tts.scoring.base import aggregate
-from sgl_tts.search.api import (Path, SearchConfig, SearchTracker, append_step, finish_reason_of, set_request_fields,
-                            wait_meta)
-
-SPECULATION_CLIENT = "speculation_client"  # Runtimes.extras key: a SpeculationClient for the generator
-TOKEN_SPLITTER = "token_splitter"  # Runtimes.extras key: text -> token pieces (for truncation)
+from sgl_tts.search.api import Path, SearchConfig, SearchTracker, append_step, finish_reason_of
 
 logger = logging.getLogger(__name__)
+
+LOADS_MAX_AGE_S = 0.05  # how long one /v1/loads reading stands for the engine's load
 
 
 class SpeculationClient(ABC):
@@ -57,12 +60,37 @@ class SpeculationClient(ABC):
     def abort(self, rid: str) -> None:
         """Stop request `rid` now (a no-op when it has finished)."""
 
+    def idle_slots(self) -> int | None:
+        """Batch slots the engine has idle now (None: unknown, no limit from the engine)."""
+        return None
+
 
 class HttpSpeculationClient(SpeculationClient):
-    """Speculative requests to a started SGLang runtime over HTTP."""
+    """Speculative requests to a started SGLang runtime over HTTP. With `engine_batch`, the engine's idle
+    slots are engine_batch - (running + waiting requests) from `GET /v1/loads`, read at most every 50 ms."""
 
-    def __init__(self, runtime: Any):
+    def __init__(self, runtime: Any, engine_batch: int | None = None):
         self.runtime = runtime
+        self.engine_batch = engine_batch
+        self._lock = threading.Lock()
+        self._load: tuple[float, int] | None = None  # (when read, running + waiting)
+
+    def idle_slots(self) -> int | None:
+        if self.engine_batch is None:
+            return None
+        from sgl_tts.runtime.server import http_json
+
+        with self._lock:
+            if self._load is None or time.monotonic() - self._load[0] > LOADS_MAX_AGE_S:
+                try:
+                    loads = http_json(self.runtime.url + "/v1/loads?include=core", timeout=5)["loads"]
+                    busy = sum(int(rank.get("num_running_reqs", 0)) + int(rank.get("num_waiting_reqs", 0))
+                               for rank in loads)
+                except (OSError, KeyError, TypeError, ValueError) as exc:
+                    logger.warning("reading the engine load failed (%s); speculating without it", exc)
+                    busy = 0
+                self._load = (time.monotonic(), busy)
+            return max(0, self.engine_batch - self._load[1])
 
     def speculate(self, text: str, sampling_params: dict[str, Any], fields: dict[str, Any]) -> tuple[str, dict]:
         from sgl_tts.runtime.server import http_json, request_timeout
@@ -107,14 +135,13 @@ class Branch:
 
     ended: 'step' (stopped at the delimiter), 'length' (the step's token cap) or 'eos': a whole next step;
     'abort': stopped when the iteration's standard work finished, a partial step.
-    score: LookAhead's verifier score of the whole step (None until verified).
     """
 
     text: str
     tokens: int
     ended: str
     finish_reason: Any = None
-    score: float | None = None
+    launched: int = 0  # launch number within the search
 
     @property
     def whole(self) -> bool:
@@ -136,12 +163,13 @@ class HeadStart:
 
 
 def assign_head_starts(branches: Sequence[Branch], copies: int, sampler: TruncationSampler,
-                       split_tokens: Callable[[str], list[str]]) -> list[HeadStart | None]:
+                       split_tokens: Callable[[str], list[str]], take_whole: bool = True) -> list[HeadStart | None]:
     """Head starts for the `copies` children of a selected beam from its speculative `branches`.
 
     Copy k < len(branches) is branch k's original and keeps all of it; further copies duplicate the
     branches in turn and keep `sampler.duplicate_lengths` tokens (Algorithm 1, lines 18-19). A duplicate
     of a whole step keeps at most all but one token, so it generates, and diverges from, the rest.
+    With `take_whole` off, an original whole step is kept but for its last token too (it is generated).
     """
     usable = [b for b in branches if b.usable][:copies]
     heads: list[HeadStart | None] = [None] * copies
@@ -149,7 +177,10 @@ def assign_head_starts(branches: Sequence[Branch], copies: int, sampler: Truncat
         assigned = list(range(index, copies, len(usable)))
         pieces = split_tokens(branch.text)
         lengths = sampler.duplicate_lengths(len(pieces), len(assigned))
-        heads[index] = HeadStart(branch.text, branch.tokens, branch if branch.whole else None)
+        if branch.whole and not take_whole:
+            heads[index] = HeadStart("".join(pieces[:-1]), len(pieces) - 1) if len(pieces) > 1 else None
+        else:
+            heads[index] = HeadStart(branch.text, branch.tokens, branch if branch.whole else None)
         for copy, keep in zip(assigned[1:], lengths[1:]):
             if branch.whole:
                 keep = min(keep, len(pieces) - 1)
@@ -170,10 +201,12 @@ class SpeculationStats:
     tokens: int = 0  # generated by speculative requests
     head_start_tokens: int = 0  # speculative tokens children started with (each duplicate counts its share)
     lookahead_steps: int = 0  # children whose whole step came from speculation (no generation)
-    lookahead_scores: int = 0  # of those, already verified with their parent (LookAhead)
+    engine_full: int = 0  # times a free slot stayed unused because the engine had no idle capacity
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
 
 
 @dataclass
@@ -188,7 +221,7 @@ class _Pending:
 
 @dataclass
 class _Round:
-    """The state of one iteration's generation phase."""
+    """The state of one `expand` with speculation."""
 
     children: list[Path | None]
     pending: dict[int, _Pending]  # slot -> standard request still running
@@ -196,151 +229,133 @@ class _Round:
     pool: ThreadPoolExecutor
     finished: list[int] = field(default_factory=list)  # slots done with their step and still active, in order
     in_flight: dict[str, tuple[int, Future]] = field(default_factory=dict)  # rid -> (slot, speculative request)
+    launch_order: dict[int, int] = field(default_factory=dict)  # id(branch future) -> launch number
     launched: Counter = field(default_factory=Counter)  # slot -> speculative branches launched
     branches: dict[int, list[Branch]] = field(default_factory=lambda: defaultdict(list))
 
 
-def _step_done(fork: Any) -> bool:
-    """Non-blocking: has the fork's `step` generation finished (or failed)?"""
-    event = fork.stream_executor.variable_event.get("step")
-    return event is None or event.is_set()
+class SpeculativeExtension:
+    """One search's speculative beam extension (see the module docstring); made per run by
+    `extension_factory`, so branches never cross searches."""
 
-
-class SpeculativeSteps(SearchSteps):
-    """One beam-search iteration with speculative beam extension (see the module docstring)."""
-
-    def __init__(self, config: SearchConfig, tracker: SearchTracker, extract_answer: Callable[[str], str | None],
-                 tagger: BeamTagger, fast: FastTTSConfig, client: SpeculationClient,
-                 split_tokens: Callable[[str], list[str]] = word_pieces, poll_s: float = 0.005,
+    def __init__(self, backend: Any, fast: FastTTSConfig, client: SpeculationClient,
+                 split_tokens: Callable[[str], list[str]] = None, seed: int = 0, poll_s: float = 0.005,
                  abort_grace_s: float = 2.0):
-        super().__init__(config, tracker, extract_answer, tagger)
+        self.backend = backend
         self.fast = fast
         self.client = client
-        self.split_tokens = split_tokens
+        self.split_tokens = split_tokens or word_pieces
         self.poll_s = poll_s
         self.abort_grace_s = abort_grace_s
-        self.sampler = TruncationSampler(fast.truncation_ratio, fast.truncation_std, fast.seed)
-        self.branches: dict[int, list[Branch]] = {}  # id(child) -> its branches, from the last iteration
+        self.sampler = TruncationSampler(fast.truncation_ratio, fast.truncation_std, seed)
+        self.branches: dict[int, list[Branch]] = {}  # id(child) -> its branches, from the last expand
         self.stats = SpeculationStats()
 
-    @classmethod
-    def from_runtimes(cls, runtimes: Any, config: SearchConfig, tracker: SearchTracker,
-                      extract_answer: Callable[[str], str | None], tagger: BeamTagger | None,
-                      fast: FastTTSConfig) -> "SpeculativeSteps":
-        client = runtimes.extras.get(SPECULATION_CLIENT)
-        if client is None:
-            raise ValueError(f"fasttts.speculative needs a speculation client in runtimes.extras"
-                             f"[{SPECULATION_CLIENT!r}] (the Session sets one for its generator runtime)")
-        return cls(config, tracker, extract_answer, tagger or BeamTagger("search", fast), fast, client,
-                   runtimes.extras.get(TOKEN_SPLITTER) or word_pieces)
-
-    # ---- one iteration ----
-
-    def step(self, beams: Sequence[Path], fan_out: int, iteration: int, scorer: Any, prompt: str) -> list[Path]:
-        began = time.monotonic()
-        scores = [aggregate(beam.step_scores, self.config.aggregation) for beam in beams]
-        batch = len(beams) * fan_out
-        selector = SpeculativeSelector({slot: scores[slot // fan_out] for slot in range(batch)},
-                                       self.config.beam_width)
-        pool = ThreadPoolExecutor(max_workers=batch, thread_name_prefix="speculate")
-        state = _Round(children=[None] * batch, pending={}, selector=selector, pool=pool)
+    def expand(self, parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
+               extract_answer: Callable[[str], str | None]) -> list[Path]:
+        slots = [(index, copy) for index, (_, count) in enumerate(parents) for copy in range(count)]
+        scores = [aggregate(parent.step_scores, config.aggregation) for parent, _ in parents]
+        selector = SpeculativeSelector({slot: scores[index] for slot, (index, _) in enumerate(slots)},
+                                       config.beam_width)
+        pool = ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="speculate")
+        state = _Round(children=[None] * len(slots), pending={}, selector=selector, pool=pool)
         try:
-            self._launch_standard(state, beams, fan_out, iteration)
+            self._launch_standard(state, parents, config, tracker, extract_answer)
             while state.pending:
-                self._collect_standard(state)
-                self._collect_speculative(state)
+                self._collect_standard(state, config, tracker, extract_answer)
+                self._collect_speculative(state, config)
                 if state.pending:
-                    self._fill_free_slots(state, iteration)
+                    self._fill_free_slots(state, config)
                     time.sleep(self.poll_s)
         finally:
-            # The last standard child has finished (or the search failed): stop all speculation now.
-            aborted_at = time.monotonic()
+            # The last standard child has finished (or the search failed): stop all speculation now, keep
+            # what the aborted requests wrote, and let no request thread outlive the iteration.
             self._abort_all(state)
-            pool.shutdown(wait=False, cancel_futures=True)
-        self.tracker.generator_time_s += aborted_at - began
-        self.tracker.iterations += 1
+            self._collect_speculative(state, config, until=time.monotonic() + self.abort_grace_s)
+            pool.shutdown(wait=True, cancel_futures=True)
         children = [child for child in state.children if child is not None]
-        assert len(children) == batch, f"{batch - len(children)} children were never collected"
-        self._score(scorer, prompt, state)
-        self._collect_speculative(state, until=aborted_at + self.abort_grace_s)
-        self.branches = {id(child): state.branches[slot] for slot, child in enumerate(children)
-                         if child.active and state.branches.get(slot)}
-        self.tagger.number(children)
-        self.tracker.extra["speculation"] = self.stats.as_dict()
+        assert len(children) == len(slots), f"{len(slots) - len(children)} children were never collected"
+        # A beam's branches in launch order (not the order they finished in): copy k takes branch k.
+        self.branches = {id(child): sorted(state.branches[slot], key=lambda b: b.launched)
+                         for slot, child in enumerate(children) if child.active and state.branches.get(slot)}
+        tracker.extra["speculation"] = self.stats.as_dict()
         return children
 
-    def _launch_standard(self, state: _Round, beams: Sequence[Path], fan_out: int, iteration: int) -> None:
-        """Fork every beam into `fan_out` copies with their head starts; generate where a step is left."""
-        fields = self.tagger.standard(beams, fan_out, iteration)
-        for parent_index, beam in enumerate(beams):
-            heads = assign_head_starts(self.branches.get(id(beam), []), fan_out, self.sampler, self.split_tokens)
-            beam.state.text()  # commit the prefix so the fork pre-caches it (DESIGN.md)
-            forks = beam.state.fork(fan_out)
-            for copy, (fork, head) in enumerate(zip(forks, heads)):
-                slot = parent_index * fan_out + copy
+    def _launch_standard(self, state: _Round, parents: Sequence[tuple[Path, int]], config: SearchConfig,
+                         tracker: SearchTracker, extract_answer: Callable[[str], str | None]) -> None:
+        """Fork every parent into its copies with their head starts; generate where a step is left."""
+        slot = 0
+        for parent_index, (parent, count) in enumerate(parents):
+            heads = assign_head_starts(self.branches.get(id(parent), []), count, self.sampler, self.split_tokens,
+                                       self.fast.lookahead)
+            parent.state.text()  # commit the prefix so the fork pre-caches it (docs/sglang.md)
+            for fork, head in zip(parent.state.fork(count), heads):
                 if head is not None:
                     fork += head.text
                     self.stats.head_start_tokens += head.tokens
                 if head is not None and head.branch is not None:
                     self.stats.lookahead_steps += 1
-                    child = self._child(beam, parent_index, fork, head.text,
-                                        {"completion_tokens": head.tokens, "finish_reason": head.branch.finish_reason})
-                    if head.branch.score is not None:
-                        child.step_scores.append(head.branch.score)
-                        self.stats.lookahead_scores += 1
-                    self._child_done(state, slot, child)
-                    continue
-                set_request_fields(fork, fields(beam, copy))
-                budget = self._step_budget(beam) - (head.tokens if head else 0)
-                fork += sgl.gen("step", max_tokens=max(1, budget), stop=self.config.step_delimiter,
-                                temperature=self.config.temperature, top_p=self.config.top_p)
-                state.pending[slot] = _Pending(parent_index, beam, fork, head)
+                    meta = {"completion_tokens": head.tokens, "finish_reason": head.branch.finish_reason}
+                    child = self._child(parent, parent_index, fork, head.text, meta, config, tracker, extract_answer)
+                    self._child_done(state, slot, child, config)
+                else:
+                    budget = step_budget(parent, config) - (head.tokens if head else 0)
+                    fork += sgl.gen("step", max_tokens=max(1, budget), stop=config.step_delimiter,
+                                    temperature=config.temperature, top_p=config.top_p)
+                    state.pending[slot] = _Pending(parent_index, parent, fork, head)
+                slot += 1
 
-    def _step_budget(self, path: Path) -> int:
-        return min(self.config.max_step_tokens, self.config.max_tokens - path.tokens)
-
-    def _child(self, parent: Path, parent_index: int, fork: Any, text: str, meta: dict[str, Any]) -> Path:
+    @staticmethod
+    def _child(parent: Path, parent_index: int, fork: Any, text: str, meta: dict[str, Any], config: SearchConfig,
+               tracker: SearchTracker, extract_answer: Callable[[str], str | None]) -> Path:
         child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=parent_index)
-        append_step(child, text, meta, self.config, self.tracker, self.extract_answer)
+        append_step(child, text, meta, config, tracker, extract_answer)
         return child
 
-    def _child_done(self, state: _Round, slot: int, child: Path) -> None:
+    @staticmethod
+    def _child_done(state: _Round, slot: int, child: Path, config: SearchConfig) -> None:
         state.children[slot] = child
-        if child.active and self._step_budget(child) > 0:
+        if child.active and step_budget(child, config) > 0:
             state.finished.append(slot)
 
-    def _collect_standard(self, state: _Round) -> None:
-        for slot in [s for s, p in state.pending.items() if _step_done(p.fork)]:
+    def _collect_standard(self, state: _Round, config: SearchConfig, tracker: SearchTracker,
+                          extract_answer: Callable[[str], str | None]) -> None:
+        for slot in [s for s, p in state.pending.items() if generation_done(p.fork, "step")]:
             pending = state.pending.pop(slot)
             meta = wait_meta(pending.fork, "step")
-            self.tracker.record(meta)
             head = pending.head
             text = (head.text if head else "") + pending.fork["step"]
             tokens = int(meta.get("completion_tokens", 0)) + (head.tokens if head else 0)
             child = self._child(pending.parent, pending.parent_index, pending.fork, text,
-                                {**meta, "completion_tokens": tokens})
-            self._child_done(state, slot, child)
+                                {**meta, "completion_tokens": tokens}, config, tracker, extract_answer)
+            self._child_done(state, slot, child, config)
 
-    def _fill_free_slots(self, state: _Round, iteration: int) -> None:
+    def _fill_free_slots(self, state: _Round, config: SearchConfig) -> None:
         """Launch speculative branches into the slots that finished standard requests left free."""
         free = speculative_slots(len(state.children), len(state.pending)) - len(state.in_flight)
         if self.fast.max_speculative is not None:
             free = min(free, self.fast.max_speculative - len(state.in_flight))
         if free <= 0 or not state.finished:
             return
+        idle = self.client.idle_slots()
+        if idle is not None and idle < free:
+            self.stats.engine_full += 1
+            free = idle
         for choice in state.selector.select_speculative(state.finished, free, state.launched):
             slot = choice.beam_id
             child = state.children[slot]
-            fields = self.tagger.speculative(iteration, slot, state.launched[slot], choice.bin_index)
+            tag = node_of(child.state, self.backend.run_label).speculative_tag(choice.bin_index)
+            fields = {"rid": encode_rid(tag), "priority": self.fast.speculative_priority}
             state.launched[slot] += 1
-            sampling = {"max_new_tokens": self._step_budget(child), "stop": [self.config.step_delimiter],
-                        "temperature": self.config.temperature, "top_p": self.config.top_p}
+            sampling = {"max_new_tokens": step_budget(child, config), "stop": [config.step_delimiter],
+                        "temperature": config.temperature, "top_p": config.top_p}
             future = state.pool.submit(self.client.speculate, child.state.text(), sampling, fields)
             state.in_flight[fields["rid"]] = (slot, future)
+            state.launch_order[id(future)] = self.stats.launched
             self.stats.launched += 1
 
-    def _collect_speculative(self, state: _Round, until: float | None = None) -> None:
+    def _collect_speculative(self, state: _Round, config: SearchConfig, until: float | None = None) -> None:
         """Turn finished speculative requests into branches; with `until`, wait for all of them up to then
         and abandon the rest."""
         for rid, (slot, future) in list(state.in_flight.items()):
@@ -355,11 +370,12 @@ class SpeculativeSteps(SearchSteps):
                     del state.in_flight[rid]
                 continue
             del state.in_flight[rid]
-            branch = self._branch(future)
+            branch = self._branch(future, config)
             if branch is not None:
+                branch.launched = state.launch_order[id(future)]
                 state.branches[slot].append(branch)
 
-    def _branch(self, future: Future) -> Branch | None:
+    def _branch(self, future: Future, config: SearchConfig) -> Branch | None:
         if future.cancelled():
             return None
         try:
@@ -368,13 +384,13 @@ class SpeculativeSteps(SearchSteps):
             logger.warning("speculative request failed: %s", exc)
             self.stats.failed += 1
             return None
-        self.tracker.record(meta)
+        self.backend.record(meta, speculative=True)
         reason = meta.get("finish_reason") or {}
         if isinstance(reason, dict) and reason.get("type") == "abort":
             ended = "abort"
             self.stats.aborted += 1
         else:
-            ended = finish_reason_of(meta, self.config.step_delimiter)
+            ended = finish_reason_of(meta, config.step_delimiter)
             self.stats.whole += 1
         tokens = int(meta.get("completion_tokens", 0))
         self.stats.tokens += tokens
@@ -391,6 +407,8 @@ class SpeculativeSteps(SearchSteps):
         threads = [threading.Thread(target=self._abort_one, args=(rid,), daemon=True) for rid in rids]
         for thread in threads:
             thread.start()
+        for thread in threads:
+            thread.join()
 
     def _abort_one(self, rid: str) -> None:
         try:
@@ -398,24 +416,19 @@ class SpeculativeSteps(SearchSteps):
         except Exception as exc:
             logger.warning("abort of speculative request %s failed: %s", rid, exc)
 
-    # ---- verification ----
 
-    def _score(self, scorer: Any, prompt: str, state: _Round) -> None:
-        """Score every child's new step (children whose step was verified with their parent are done). With
-        LookAhead the child's first whole speculative step rides along in the child's request: one request,
-        its scores for the child's steps, and the next step's score kept for the copy that takes it."""
-        requests: list[tuple[Path, Path, Branch | None]] = []  # (child, what the verifier scores, branch)
-        for slot, child in enumerate(state.children):
-            if len(child.step_scores) == len(child.steps):
-                continue
-            whole = [b for b in state.branches.get(slot, []) if b.whole] if self.fast.lookahead and child.active else []
-            if whole:
-                step = whole[0].text + (self.config.step_delimiter if whole[0].ended == "step" else "")
-                requests.append((child, Path(state=None, steps=[*child.steps, step]), whole[0]))
-            else:
-                requests.append((child, child, None))
-        self.tracker.score(scorer, prompt, [scored for _, scored, _ in requests])
-        for child, scored, branch in requests:
-            child.step_scores = scored.step_scores[: len(child.steps)]
-            if branch is not None:
-                branch.score = scored.step_scores[-1]
+def step_budget(path: Path, config: SearchConfig) -> int:
+    return min(config.max_step_tokens, config.max_tokens - path.tokens)
+
+
+def extension_factory(fast: FastTTSConfig, client: SpeculationClient, tokenizer: Any = None,
+                      seed: int = 0) -> Callable[[Any], SpeculativeExtension]:
+    """What a backend calls per run (`SearchBackend.for_run`) to get that run's extension. The truncation
+    sampler is seeded with the run's search seed combined with `seed` (fasttts.seed)."""
+    split = token_splitter(tokenizer) if tokenizer is not None else word_pieces
+
+    def make(backend: Any) -> SpeculativeExtension:
+        run_seed = seed if backend.seed is None else seed * 1_000_003 + backend.seed
+        return SpeculativeExtension(backend, fast, client, split, run_seed)
+
+    return make

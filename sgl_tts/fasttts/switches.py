@@ -1,36 +1,33 @@
 """The FastTTS switches (FastTTS §4, the P/M/S ablation of Fig. 16) and where each one takes effect.
 
 - P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
-  (plugin env `SGL_TTS_POLICY=prefix`), and the search tags every generator request with its `BeamTag`.
+  (plugin env `SGL_TTS_POLICY=prefix`), reading the lineage tag the backend puts on every request.
 - M `memory_plan`: the KV budget is split between the generator and verifier runtimes by the roofline
   planner (`sgl_tts.runtime.roofline.plan_memory`, §4.3) instead of 50/50.
 - S `speculative`: speculative beam extension (`sgl_tts.fasttts.speculation`, §4.1); the generator runs with
   priority scheduling so that standard requests preempt speculative ones.
 All off is the baseline: FCFS, no speculation, a static 50/50 split of the KV budget.
 
-`configure_runtimes` turns the switches into runtime settings (the Session starts runtimes with them);
-`search_extras` hands the search layer what it needs; `search_steps` gives a program the object that runs
-one beam-search iteration (generation, then verification) with the switches applied.
+`configure_runtimes` turns the switches into runtime settings (the Session starts runtimes with them); the
+Session gives the generator backend S's step extension (`sgl_tts.fasttts.speculation`). Programs never see
+any of this: every request is tagged with its fork lineage by the backend (`sgl_tts.frontend.lineage`)
+whatever the switches, and `expand` speculates when the backend carries an extension.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
 
 from policies import POLICIES
-from policies.base import BeamTag, encode_rid
 from policies.plugin import ENV_POLICY
 from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
                               Workload, get_hardware, load_model_spec, plan_memory)
 from sgl_tts.config import ConfigError
 from sgl_tts.runtime.server import RuntimeConfig
-from sgl_tts.search.api import Path, SearchConfig, SearchTracker, expand
+from sgl_tts.search.api import SearchConfig
 
 MIB = 2**20
-FASTTTS = "fasttts"  # Runtimes.extras key: the FastTTSConfig of the run
 PRIORITY_FLAG = "--enable-priority-scheduling"
 PREEMPTION_THRESHOLD = 10  # SGLang's default --priority-scheduling-preemption-threshold
 
@@ -40,11 +37,15 @@ class FastTTSConfig:
     """The three FastTTS switches and their settings (YAML section `fasttts`).
 
     prefix_order (P), memory_plan (M), speculative (S): independent switches; all off is the baseline.
-    lookahead: with S, verify a speculative whole next step together with the current step (§4.1.3).
+    lookahead: with S, a copy whose speculative head start holds a whole step takes it as its step, with no
+        generation (LookAhead, §4.1.3); the program's verifier scores it like any other step.
     truncation_ratio, truncation_std: R and the spread of the fraction of speculative tokens a duplicate
         of a selected beam keeps (Algorithm 1, lines 18-19).
     max_speculative: at most this many speculative requests of one search in flight (None: as many as
         there are free batch slots, as in the paper; on a CPU a smaller number slows stragglers less).
+    engine_batch: the running batch the generator engine serves well; speculation fills only what the engine
+        has idle below it (running + waiting requests from `GET /v1/loads`, all searches together). None:
+        no engine limit, only the search's own free slots.
     standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
         first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
     hardware: roofline profile for M (`sgl_tts.runtime.roofline.HARDWARE` or `this-machine`, probed).
@@ -62,6 +63,7 @@ class FastTTSConfig:
     truncation_ratio: float = 0.85
     truncation_std: float = 0.1
     max_speculative: int | None = None
+    engine_batch: int | None = None
     standard_priority: int = 20
     speculative_priority: int = 0
     hardware: str = THIS_MACHINE
@@ -76,6 +78,8 @@ class FastTTSConfig:
             raise ValueError(f"truncation_std must be >= 0, got {self.truncation_std}")
         if self.max_speculative is not None and self.max_speculative < 1:
             raise ValueError(f"max_speculative must be >= 1 or null, got {self.max_speculative}")
+        if self.engine_batch is not None and self.engine_batch < 1:
+            raise ValueError(f"engine_batch must be >= 1 or null, got {self.engine_batch}")
         if self.standard_priority - self.speculative_priority <= PREEMPTION_THRESHOLD:
             raise ValueError(f"standard_priority must exceed speculative_priority by more than "
                              f"{PREEMPTION_THRESHOLD} (SGLang's preemption threshold), got "
@@ -100,10 +104,6 @@ class FastTTSConfig:
         name = "prefix" if self.prefix_order else "fcfs"
         assert name in POLICIES, f"policy {name!r} is not registered; known: {', '.join(POLICIES)}"
         return name
-
-    @property
-    def tags_requests(self) -> bool:
-        return self.prefix_order or self.speculative
 
 
 def from_label(label: str, **settings: Any) -> FastTTSConfig:
@@ -226,94 +226,3 @@ def describe_settings(settings: RuntimeSettings) -> str:
         line += (f" (roofline on {settings.plan.hardware.name}: B_pre={settings.plan.shared.b_pre}, "
                  f"B_dec={settings.plan.shared.b_dec}, budget {settings.plan.kv_budget / GIB:.3f} GiB)")
     return line
-
-
-def search_extras(fast: FastTTSConfig, generator_runtime: Any, tokenizer: Any = None) -> dict[str, Any]:
-    """What the search layer reads from `Runtimes.extras`: the config, and with S the client that sends and
-    aborts speculative requests and the tokenizer that truncates speculative text at token boundaries."""
-    from sgl_tts.fasttts.speculation import SPECULATION_CLIENT, TOKEN_SPLITTER, HttpSpeculationClient, token_splitter
-
-    extras: dict[str, Any] = {FASTTTS: fast}
-    if fast.speculative:
-        extras[SPECULATION_CLIENT] = HttpSpeculationClient(generator_runtime)
-        if tokenizer is not None:
-            extras[TOKEN_SPLITTER] = token_splitter(tokenizer)
-    return extras
-
-
-# ---- The search side: request tags and one iteration of beam search ----
-
-class BeamTagger:
-    """Request fields for one search: each request's `BeamTag` in its rid and, under S, its priority.
-
-    Beam ids are positions in the list of children of an iteration (parent order, fork order); a child's
-    parent id is its parent's beam id at the previous iteration (docs/policies.md).
-    """
-
-    def __init__(self, problem_id: str, fast: FastTTSConfig):
-        self.problem_id = f"{problem_id}/{uuid.uuid4().hex[:8]}"  # unique per search run
-        self.fast = fast
-        self._beam_id: dict[int, int] = {}  # id(path) -> its beam id in the last numbered iteration
-
-    def _fields(self, tag: BeamTag) -> dict[str, Any]:
-        fields: dict[str, Any] = {"rid": encode_rid(tag)}
-        if self.fast.speculative:
-            fields["priority"] = self.fast.speculative_priority if tag.speculative else self.fast.standard_priority
-        return fields
-
-    def parent_id(self, beam: Path, iteration: int) -> int | None:
-        return None if iteration == 0 else self._beam_id[id(beam)]
-
-    def standard(self, beams: Sequence[Path], fan_out: int, iteration: int) -> Callable[[Path, int], dict[str, Any]]:
-        """`expand`'s request_fields: child k of beam i gets beam id i·fan_out + k."""
-        first_child = {id(beam): index * fan_out for index, beam in enumerate(beams)}
-        parents = {id(beam): self.parent_id(beam, iteration) for beam in beams}
-
-        def fields(parent: Path, child_index: int) -> dict[str, Any]:
-            beam_id = first_child[id(parent)] + child_index
-            return self._fields(BeamTag(self.problem_id, iteration, beam_id, parents[id(parent)]))
-
-        return fields
-
-    def speculative(self, iteration: int, child_id: int, branch: int, bin_index: int) -> dict[str, Any]:
-        """Fields of speculative branch `branch` extending child `child_id` of `iteration` into the next step."""
-        return self._fields(BeamTag(self.problem_id, iteration + 1, branch, child_id, True, bin_index))
-
-    def number(self, children: Sequence[Path]) -> None:
-        """Record the children's beam ids (their positions) for the next iteration's parent ids."""
-        self._beam_id = {id(child): index for index, child in enumerate(children)}
-
-
-class SearchSteps:
-    """One beam-search iteration without speculation: fork and generate every child's step, then score."""
-
-    def __init__(self, config: SearchConfig, tracker: SearchTracker, extract_answer: Callable[[str], str | None],
-                 tagger: BeamTagger | None = None):
-        self.config = config
-        self.tracker = tracker
-        self.extract_answer = extract_answer
-        self.tagger = tagger
-
-    def step(self, beams: Sequence[Path], fan_out: int, iteration: int, scorer: Any, prompt: str) -> list[Path]:
-        fields = self.tagger.standard(beams, fan_out, iteration) if self.tagger else None
-        children = expand([(beam, fan_out) for beam in beams], self.config, self.tracker, self.extract_answer,
-                          request_fields=fields)
-        self.tracker.score(scorer, prompt, children)
-        if self.tagger:
-            self.tagger.number(children)
-        return children
-
-    def close(self) -> None:
-        pass
-
-
-def search_steps(runtimes: Any, config: SearchConfig, tracker: SearchTracker, problem_id: str,
-                 extract_answer: Callable[[str], str | None]) -> SearchSteps:
-    """The iteration runner for a search on `runtimes`, with the run's FastTTS switches applied."""
-    fast = runtimes.extras.get(FASTTTS) or FastTTSConfig()
-    tagger = BeamTagger(problem_id, fast) if fast.tags_requests else None
-    if not fast.speculative:
-        return SearchSteps(config, tracker, extract_answer, tagger)
-    from sgl_tts.fasttts.speculation import SpeculativeSteps
-
-    return SpeculativeSteps.from_runtimes(runtimes, config, tracker, extract_answer, tagger, fast)

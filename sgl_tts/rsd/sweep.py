@@ -8,7 +8,7 @@ calls' measured seconds (RSD is sequential within a problem, so the two differ o
 overhead; the second one is what a sweep can replay).
 
 How the sweep runs: the path RSD takes depends on every acceptance decision, so each delta is a full rerun
-of the rsd program over the problems. The reruns share one `programs.rsd.StepCache`, keyed by the context
+of the rsd program over the problems. The reruns share one `sgl_tts.rsd.step_cache.StepCache`, keyed by the context
 (prompts, steps so far, step budget): the draft step at a context, its PRM score and the target's step at
 that context are computed once, the first time any delta reaches that context, and reused by every
 delta whose path passes through it. Deltas mostly agree on early steps, so most of the work is shared.
@@ -164,7 +164,10 @@ def sweep_row(delta: float, problems: Sequence[Any], results: Sequence[SearchRes
 def run_sweep(problems: Sequence[Any], deltas: Sequence[float], runtimes: Any, search: Any, settings: RSDConfig,
               concurrency: int = 4, cache: bool = True, on_delta=None) -> tuple[list[SweepRow], dict[float, list]]:
     """Run the rsd program over `problems` once per delta; returns the rows and each delta's results."""
-    from programs.rsd import StepCache, run
+    from sgl_tts.rsd.step_cache import StepCache
+    from sgl_tts.search.programs import load_program
+
+    run = load_program("rsd")
 
     if settings.weighting not in SWEEP_WEIGHTINGS:
         raise ValueError(f"the sweep varies rsd.delta, which weighting {settings.weighting!r} ignores: "

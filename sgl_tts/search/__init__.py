@@ -13,7 +13,8 @@ from typing import Any
 _EXPORTS = {
     "sgl_tts.search.api": ("Path", "Runtimes", "SearchConfig", "SearchTracker", "SearchError", "RUNTIME_FAILURES",
                            "append_step", "build_result", "expand", "finish", "finish_reason_of", "rank_key",
-                           "run_search", "search_failed", "split_steps", "step_gen", "wait_meta"),
+                           "run_search", "search_failed", "split_steps", "start_search", "step_gen"),
+    "sgl_tts.frontend.sglang_internals": ("wait_meta",),
     "sgl_tts.search.grading": ("extract_answer",),
     "sgl_tts.search.records": ("Candidate", "SearchResult"),
     "sgl_tts.search.selection": ("select",),

@@ -6,42 +6,22 @@ A program file in `programs/` composes these pieces inside an `@sgl.function`; s
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import sglang as sgl
 
-from sgl_tts.frontend.backend import REQUEST_FIELDS
-from sgl_tts.search.records import Candidate, SearchResult
+from sgl_tts.frontend.backend import GeneratorError
+from sgl_tts.frontend.ledger import RequestLedger
+from sgl_tts.frontend.sglang_internals import backend_of, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
+from sgl_tts.search.grading import extract_answer
+from sgl_tts.search.records import Candidate, SearchResult
 
 Selection = Literal["best", "weighted", "majority"]
-
-
-def end_program_states() -> int:
-    """Stop the worker thread of every SGLang program state still alive; returns how many.
-
-    Each forked state runs a non-daemon worker thread that ends only when the state is garbage-collected.
-    A state kept alive by a reference cycle at interpreter exit would make the exit wait forever, so this
-    runs at exit, before the interpreter joins its threads.
-    """
-    import gc
-
-    from sglang.lang.interpreter import StreamExecutor
-
-    ended = 0
-    for obj in gc.get_objects():
-        if type(obj) is StreamExecutor and obj.use_thread and obj.worker.is_alive():
-            obj.queue.put(None)
-            ended += 1
-    return ended
-
-
-# threading's own exit hook runs before non-daemon threads are joined (atexit runs after, too late).
-getattr(threading, "_register_atexit", lambda fn: None)(end_program_states)
 
 
 @dataclass(frozen=True)
@@ -96,6 +76,20 @@ class Runtimes:
     target: Any = None  # a second generator backend (RSD's target model)
     extras: dict[str, Any] = field(default_factory=dict)
 
+    def for_run(self, seed: int | None = None, label: str | None = None) -> "Runtimes":
+        """These runtimes as one search sees them: backends with their own ledger, step extension and seed
+        (`SearchBackend.for_run`); a plain SGLang backend is used as it is."""
+        def view(backend: Any) -> Any:
+            return backend.for_run(seed, label) if hasattr(backend, "for_run") else backend
+
+        return dataclasses.replace(self, generator=view(self.generator),
+                                   target=None if self.target is None else view(self.target))
+
+    @property
+    def ledger(self) -> RequestLedger | None:
+        """The generator's accounting for this search (set on a `for_run` view)."""
+        return getattr(self.generator, "ledger", None)
+
 
 @dataclass
 class Path:
@@ -121,14 +115,20 @@ class Path:
 
 
 class SearchTracker:
-    """Counts tokens and splits wall time into generator and verifier time for one search."""
+    """Splits one search's wall time into generator and verifier time and counts its tokens.
 
-    def __init__(self, config: SearchConfig):
+    With a `ledger` (the generator backend's, for this search) the token counts are the server's own, for
+    every request the search sent; `record` is for programs that count by hand (RSD, whose step cache
+    replays work without requests).
+    """
+
+    def __init__(self, config: SearchConfig, ledger: RequestLedger | None = None):
         self.config = config
+        self.ledger = ledger
         self.start = time.monotonic()
-        self.generated_tokens = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self._generated_tokens = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
         self.generator_time_s = 0.0
         self.verifier_time_s = 0.0
         self.iterations = 0
@@ -138,10 +138,24 @@ class SearchTracker:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def record(self, meta: dict[str, Any]) -> None:
-        self.generated_tokens += int(meta.get("completion_tokens", 0))
-        self.prompt_tokens += int(meta.get("prompt_tokens", 0))
-        self.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+    def record(self, tokens: int, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+        """Count work by hand (only without a ledger, which counts every request itself)."""
+        assert self.ledger is None, "a tracker with a ledger counts from the server's meta_info"
+        self._generated_tokens += tokens
+        self._prompt_tokens += prompt_tokens
+        self._cached_tokens += cached_tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.ledger.completion_tokens if self.ledger is not None else self._generated_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.ledger.prompt_tokens if self.ledger is not None else self._prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.ledger.cached_tokens if self.ledger is not None else self._cached_tokens
 
     def score(self, scorer: StepScorer, prompt: str, paths: Sequence[Path]) -> None:
         """Score every step of `paths` in one batched scorer call; writes `step_scores`."""
@@ -163,24 +177,6 @@ def step_gen(config: SearchConfig, path: Path, name: str = "step"):
                    temperature=config.temperature, top_p=config.top_p)
 
 
-def set_request_fields(state: Any, fields: dict[str, Any] | None) -> None:
-    """Extra top-level /generate fields (scheduling metadata, priority) for the state's next requests."""
-    state.stream_executor.variables[REQUEST_FIELDS] = dict(fields or {})
-
-
-def wait_meta(state: Any, name: str) -> dict[str, Any]:
-    """Block until generation `name` of `state` is done; raise the generator's error if it failed."""
-    meta = state.get_meta_info(name)
-    executor = state.stream_executor
-    if meta is None and executor.use_thread:
-        # A failed generation has no meta. SGLang 0.5.23's worker wakes the waiters first and records
-        # `error_` just before its thread ends, so wait for the thread before reading the error.
-        executor.worker.join(timeout=5.0)
-    if executor.error_ is not None:
-        raise executor.error_
-    return meta or {}
-
-
 def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
     """'step' when the step ended at the delimiter, 'eos' at end of sequence, 'length' at the token cap."""
     reason = meta.get("finish_reason") or {}
@@ -193,33 +189,44 @@ def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
 
 
 def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
-           extract_answer: Callable[[str], str | None],
-           request_fields: Callable[[Path, int], dict[str, Any] | None] | None = None) -> list[Path]:
+           extract_answer: Callable[[str], str | None]) -> list[Path]:
     """Fork each (path, k) k times and generate one step in every child, all concurrently.
 
-    Returns the children in (parent order, fork order). Each parent is synced (`text()`) before its fork
-    so the shared prefix is committed and served from the radix cache (DESIGN.md).
+    Returns the children in (parent order, fork order). When the backend carries a step extension for this
+    run (FastTTS speculative beam extension, switched on in the run config) the extension does the
+    iteration, with head starts from speculation; the children are the same kind either way.
     """
+    parents = [(parent, count) for parent, count in parents if count > 0]
+    if not parents:
+        return []
     began = time.monotonic()
+    extension = getattr(backend_of(parents[0][0].state), "extension", None)
+    if extension is not None:
+        children = extension.expand(parents, config, tracker, extract_answer)
+    else:
+        children = expand_plainly(parents, config, tracker, extract_answer)
+    tracker.generator_time_s += time.monotonic() - began
+    tracker.iterations += 1
+    return children
+
+
+def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
+                   extract_answer: Callable[[str], str | None]) -> list[Path]:
+    """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
+    is committed and pre-sent to the radix cache (docs/sglang.md)."""
     pending = []
     for index, (parent, count) in enumerate(parents):
         parent.state.text()
-        forks = parent.state.fork(count)
-        for child_index, fork in enumerate(forks):
-            if request_fields is not None:
-                set_request_fields(fork, request_fields(parent, child_index))
+        for fork in parent.state.fork(count):
             fork += step_gen(config, parent)
             pending.append((index, parent, fork))
     children = []
     for index, parent, fork in pending:
         meta = wait_meta(fork, "step")
-        tracker.record(meta)
         child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=index)
         append_step(child, fork["step"], meta, config, tracker, extract_answer)
         children.append(child)
-    tracker.generator_time_s += time.monotonic() - began
-    tracker.iterations += 1
     return children
 
 
@@ -304,7 +311,7 @@ class SearchError(RuntimeError):
         self.result = result
 
 
-RUNTIME_FAILURES = (ScorerError, RuntimeDiedError)  # what a program turns into SearchError
+RUNTIME_FAILURES = (ScorerError, RuntimeDiedError, GeneratorError)  # what a program turns into SearchError
 
 
 def search_failed(problem_id: str, program: str, finished: Sequence[Path], config: SearchConfig,
@@ -312,6 +319,21 @@ def search_failed(problem_id: str, program: str, finished: Sequence[Path], confi
     """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
     message = f"{program} stopped: {exc}"
     return SearchError(message, build_result(problem_id, program, finished, config, tracker, error=message))
+
+
+def start_search(runtimes: Runtimes, config: SearchConfig, label: str = "search") -> tuple[Runtimes, SearchTracker]:
+    """The runtimes as this search sees them (`Runtimes.for_run`) and its tracker, counting from its ledger."""
+    runtimes = runtimes.for_run(config.seed, label)
+    return runtimes, SearchTracker(config, runtimes.ledger)
+
+
+def fill_in_counts(result: SearchResult, ledger: RequestLedger | None) -> SearchResult:
+    """A result with the ledger's token counts where the program counted nothing (a plain-DSL program's
+    `run` builds its own record): every program is accounted for from the server's meta_info."""
+    if ledger is None or ledger.requests == 0 or result.generated_tokens or result.prompt_tokens:
+        return result
+    return dataclasses.replace(result, generated_tokens=ledger.completion_tokens, prompt_tokens=ledger.prompt_tokens,
+                               cached_tokens=ledger.cached_tokens)
 
 
 def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,
@@ -324,7 +346,7 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
     """
     if needs_scorer and runtimes.scorer is None:
         raise ValueError(f"{name} needs a scorer: set 'scorer' in the config")
-    tracker = SearchTracker(config)
+    runtimes, tracker = start_search(runtimes, config, problem.id)
     prompt = runtimes.prompt(problem.question)
     finished: list[Path] = []
     try:
@@ -333,3 +355,52 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
     return build_result(problem.id, name, state.ret_value, config, tracker)
+
+
+def run_plain_program(function: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes
+                      ) -> SearchResult:
+    """Run a plain SGLang program: an `@sgl.function` that knows nothing of sgl-tts.
+
+    Its arguments are filled by name from `question` (the problem text), `prompt` (the question in the
+    generator's chat format) and the search config's fields (`k` for config.n); the config's temperature and
+    top_p are the program's default sampling settings. It returns the chosen solution text, or a list of candidate texts; with no return value the
+    state's generated text is the one candidate. Candidates are graded by the config's selection; their
+    tokens and completion times come from the requests on each text's path (`RequestLedger.path_of`), so
+    goodput, tokens and cache hits are reported as for any program.
+    """
+    import inspect
+
+    runtimes, tracker = start_search(runtimes, config, problem.id)
+    prompt = runtimes.prompt(problem.question)
+    # SglFunction.run keeps its sampling keywords (n, temperature, top_p, max_new_tokens, ...) for itself:
+    # they cannot be program arguments, and the config's sampling settings become the run's defaults.
+    reserved = set(inspect.signature(type(function).run).parameters)
+    available = {"question": problem.question, "prompt": prompt, "k": config.n,
+                 **{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in reserved}}
+    wanted = list(inspect.signature(function.func).parameters)[1:]
+    missing = [arg for arg in wanted if arg not in available]
+    if missing:
+        raise ValueError(f"program {name!r} takes {', '.join(missing)}: a plain program's arguments are named "
+                         f"from {', '.join(available)} (SGLang's run() keeps {', '.join(sorted(reserved & {'n', 'temperature', 'top_p'}))})")
+    try:
+        state = function.run(backend=runtimes.generator, temperature=config.temperature, top_p=config.top_p,
+                             **{arg: available[arg] for arg in wanted})
+    except RUNTIME_FAILURES as exc:
+        raise search_failed(problem.id, name, [], config, tracker, exc) from exc
+    returned = state.ret_value
+    texts = [returned] if isinstance(returned, str) else list(returned) if returned else [state.text()]
+    paths = []
+    for text in texts:
+        text = str(text)
+        whole = text if text.startswith(prompt) else None
+        solution = text[len(prompt):] if whole is not None else text
+        tokens, answered_at = (tracker.ledger.path_of(whole or prompt + solution) if tracker.ledger is not None
+                               else (0, None))
+        path = Path(state=None, steps=split_steps(solution, config.step_delimiter, config.max_steps), tokens=tokens,
+                    answer=extract_answer(solution))
+        path.finish_reason = "answer" if path.answer is not None else "eos"
+        path.finish_time_s = (answered_at - tracker.start) if answered_at is not None else tracker.elapsed()
+        paths.append(path)
+    tracker.generator_time_s = tracker.elapsed()
+    tracker.iterations = 1
+    return build_result(problem.id, name, paths, config, tracker)

@@ -1,0 +1,73 @@
+"""Accounting of every generator request a search makes, from the server's own `meta_info`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Request:
+    """One standard request: its context text, what it generated, its tokens and when it was answered."""
+
+    context: str
+    output: str
+    completion_tokens: int
+    answered_at: float  # time.monotonic()
+
+
+@dataclass
+class RequestLedger:
+    """Token and time counts of the requests one search (or one solve) sent; thread-safe.
+
+    Each request's `meta_info` (SGLang: prompt_tokens, completion_tokens, cached_tokens, e2e_latency) is
+    added here and to the `parent` ledger, so a search run inside a solve is counted by both.
+    """
+
+    parent: "RequestLedger | None" = None
+    requests: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    server_time_s: float = 0.0  # summed end-to-end latency the server reported
+    speculative_requests: int = 0
+    speculative_tokens: int = 0
+    log: list[Request] = field(default_factory=list, repr=False)  # standard requests with their text
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_request(self, context: str, output: str, meta: dict[str, Any]) -> None:
+        """A standard request with its text (kept for `path_of`), counted like `record`."""
+        entry = Request(context, output, int(meta.get("completion_tokens", 0) or 0), time.monotonic())
+        ledger: RequestLedger | None = self
+        while ledger is not None:
+            with ledger._lock:
+                ledger.log.append(entry)
+            ledger = ledger.parent
+        self.record(meta)
+
+    def path_of(self, text: str) -> tuple[int, float | None]:
+        """(tokens generated along, time the last piece was answered) for the path whose whole text (prompt
+        included) is `text`: the requests whose context and output both lie on it. For programs that return
+        texts, not paths (plain SGLang programs)."""
+        with self._lock:
+            on_path = [r for r in self.log if r.output and text.startswith(r.context + r.output)]
+        return sum(r.completion_tokens for r in on_path), max((r.answered_at for r in on_path), default=None)
+
+    def record(self, meta: dict[str, Any], speculative: bool = False) -> None:
+        completion = int(meta.get("completion_tokens", 0) or 0)
+        with self._lock:
+            self.requests += 1
+            self.completion_tokens += completion
+            self.prompt_tokens += int(meta.get("prompt_tokens", 0) or 0)
+            self.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+            self.server_time_s += float(meta.get("e2e_latency", 0.0) or 0.0)
+            if speculative:
+                self.speculative_requests += 1
+                self.speculative_tokens += completion
+        if self.parent is not None:
+            self.parent.record(meta, speculative)
+
+    def child(self) -> "RequestLedger":
+        return RequestLedger(parent=self)

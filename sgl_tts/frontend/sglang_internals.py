@@ -1,0 +1,117 @@
+"""Every touch of SGLang's frontend interpreter internals, in one place.
+
+The SGLang DSL gives a program `ProgramState`s; each wraps a `StreamExecutor` that runs the state's
+operations on a worker thread and calls the backend. sgl-tts reads and writes a few executor fields that
+are not public API (checked against SGLang 0.5.23):
+
+- `StreamExecutor.variables`: a dict that `fork` copies into every child (`dict(self.variables)`); the
+  request lineage rides in it from parent to child (`LINEAGE_VARIABLE`).
+- `StreamExecutor.backend`, `.use_thread`, `.worker` (the thread), `.error_`, `.variable_event`, `.end()`.
+- `ProgramState.stream_executor`.
+
+`check_interface()` fails with a message naming what changed; `tests/test_frontend.py` calls it, so an
+SGLang upgrade that moves one of these fails one clear test instead of many confusing ones.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import threading
+from typing import Any, Iterable
+
+LINEAGE_VARIABLE = "_sgl_tts_lineage"  # executor variable: the lineage node of the state it was forked from
+NODE_ATTRIBUTE = "_sgl_tts_node"  # executor attribute (not copied by fork): the executor's own lineage node
+
+EXECUTOR_FIELDS = ("variables", "backend", "use_thread", "worker", "error_", "variable_event", "meta_info",
+                   "text_", "arguments")
+
+
+def check_interface() -> None:
+    """Raise AssertionError naming the SGLang internal that is missing or changed."""
+    from sglang.lang.interpreter import ProgramState, StreamExecutor
+
+    source = inspect.getsource(StreamExecutor.__init__) + inspect.getsource(StreamExecutor.fork)
+    for name in EXECUTOR_FIELDS:
+        assert f"self.{name}" in source, f"SGLang's StreamExecutor no longer sets `{name}` (sgl_tts relies on it)"
+    assert "variables = dict(self.variables)" in inspect.getsource(StreamExecutor.fork), (
+        "SGLang's StreamExecutor.fork no longer copies the parent's variables into each child: request lineage "
+        "(sgl_tts.frontend.lineage) cannot follow forks")
+    assert "stream_executor" in inspect.getsource(ProgramState.__init__), "ProgramState has no stream_executor"
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    for method in ("generate", "commit_lazy_operations"):
+        assert "self._add_images(s, data)" in inspect.getsource(getattr(RuntimeEndpoint, method)), (
+            f"RuntimeEndpoint.{method} no longer calls _add_images(s, data): TTSEndpoint adds its request "
+            f"fields there")
+
+
+def executor_of(state: Any) -> Any:
+    """The StreamExecutor of a ProgramState (or the executor itself)."""
+    return getattr(state, "stream_executor", state)
+
+
+def backend_of(state: Any) -> Any:
+    return executor_of(state).backend
+
+
+def own_node(executor: Any) -> Any:
+    return getattr(executor, NODE_ATTRIBUTE, None)
+
+
+def set_own_node(executor: Any, node: Any) -> None:
+    """Make `node` the executor's lineage node; forks of it (made later) inherit it as their parent."""
+    setattr(executor, NODE_ATTRIBUTE, node)
+    executor.variables[LINEAGE_VARIABLE] = node
+
+
+def inherited_node(executor: Any) -> Any:
+    """The node of the state this executor was forked from (None for a program's first state)."""
+    return executor.variables.get(LINEAGE_VARIABLE)
+
+
+def generation_done(state: Any, name: str) -> bool:
+    """Non-blocking: has generation `name` of `state` finished (or failed)?"""
+    event = executor_of(state).variable_event.get(name)
+    return event is None or event.is_set()
+
+
+def wait_meta(state: Any, name: str) -> dict[str, Any]:
+    """Block until generation `name` of `state` is done; raise the generator's error if it failed."""
+    meta = state.get_meta_info(name)
+    executor = executor_of(state)
+    if meta is None and executor.use_thread:
+        # A failed generation has no meta. SGLang 0.5.23's worker wakes the waiters first and records
+        # `error_` just before its thread ends, so wait for the thread before reading the error.
+        executor.worker.join(timeout=5.0)
+    if executor.error_ is not None:
+        raise executor.error_
+    return meta or {}
+
+
+def end_program_states(backends: Iterable[Any] | None = None) -> int:
+    """End the worker thread of every program state still alive (on `backends`, or all); returns how many.
+
+    Each state (and fork) runs a non-daemon worker thread that ends only when the state is garbage-collected.
+    A state kept alive by a reference cycle would leak its thread, and at interpreter exit make the exit wait
+    forever. A backend matches when it is one of `backends` or a per-run view of one (`.origin`).
+    """
+    from sglang.lang.interpreter import StreamExecutor
+
+    wanted = None if backends is None else [b for b in backends]
+    ended = 0
+    for obj in gc.get_objects():
+        if type(obj) is not StreamExecutor or not obj.use_thread or not obj.worker.is_alive():  # type(): no __class__
+            continue
+        if wanted is not None:
+            backend = obj.backend
+            origin = getattr(backend, "origin", backend)
+            if not any(backend is b or origin is b for b in wanted):
+                continue
+        obj.end()
+        ended += 1
+    return ended
+
+
+# threading's own exit hook runs before non-daemon threads are joined (atexit runs after, too late).
+getattr(threading, "_register_atexit", lambda fn: None)(end_program_states)

@@ -1,0 +1,121 @@
+"""The backend beneath the DSL: lineage tags from SGLang's fork tree, accounting from meta_info, seeds, and
+per-run views, for a plain SGLang program (docs/examples/step_vote.py imports nothing of sgl-tts) as for a
+built-in one; and the one module that touches SGLang internals."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from policies.base import decode_rid
+from sgl_tts.frontend.backend import GeneratorError, TTSEndpoint, request_seed
+from sgl_tts.frontend.sglang_internals import check_interface
+from sgl_tts.problems import Problem
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.programs import load_program
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_VOTE = str(ROOT / "docs" / "examples" / "step_vote.py")
+PROMPT = "Q: what is two plus two?\n\n"
+PROBLEM = Problem(id="p/1", question="what is two plus two?", gold="4")
+SEARCH = SearchConfig(n=4, beam_width=2, max_steps=4, max_step_tokens=48, max_tokens=192)
+
+
+def test_the_sglang_internals_sgl_tts_relies_on_are_there():
+    check_interface()  # fails naming the field or method an SGLang upgrade changed
+
+
+def test_the_example_plain_program_imports_nothing_of_sgl_tts():
+    tree = ast.parse(Path(STEP_VOTE).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"collections", "sglang"}
+
+
+def scripted_run(program, search=SEARCH, model=None):
+    backend = ScriptedBackend(model or ScriptedModel(answer_depth=2, answer_chance=0.4))
+    completions = []
+    backend.observe(lambda text, seconds, meta: completions.append(meta["completion_tokens"]))
+    runtimes = Runtimes(generator=backend, scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
+    return load_program(program)(PROBLEM, search, runtimes), backend, completions
+
+
+@pytest.mark.parametrize("program", [STEP_VOTE, "beam_search", "dvts", "dynamic_branching", "varying_granularity",
+                                     "best_of_n"])
+def test_every_request_carries_its_place_in_the_fork_tree(program):
+    result, backend, _ = scripted_run(program)
+    tags = [(decode_rid(r["fields"]["rid"]), r["text"]) for r in backend.requests]
+    assert tags and all(tag is not None and not tag.speculative for tag, _ in tags)
+    assert len({tag.problem_id for tag, _ in tags}) == 1 and tags[0][0].problem_id.startswith("p/1/")
+    text_of = {tag.beam_id: text for tag, text in tags}
+    siblings = defaultdict(set)
+    for tag, text in tags:
+        assert tag.iteration >= 1 and tag.parent_id is not None, "every request is a fork of an earlier state"
+        siblings[tag.parent_id].add(text)
+        if tag.parent_id in text_of:  # the parent generated too: a child's context extends the parent's
+            assert text.startswith(text_of[tag.parent_id]) and tag.iteration >= 2
+    assert any(len(texts) == 1 for texts in siblings.values()), "forks of one parent share its text"
+
+
+@pytest.mark.parametrize("program", [STEP_VOTE, "beam_search", "best_of_n"])
+def test_a_result_counts_every_token_the_server_reported(program):
+    result, backend, completions = scripted_run(program)
+    assert result.generated_tokens == sum(completions) > 0
+    assert result.prompt_tokens == sum(len(r["text"]) for r in backend.requests), "the scripted prompt count"
+    assert result.cached_tokens > 0 and 0 < result.cache_hit_rate <= 1, "forks are served from the cache"
+    assert result.precise_goodput > 0 and all(c.tokens > 0 for c in result.candidates)
+
+
+def test_a_plain_program_candidate_counts_the_tokens_on_its_path():
+    result, backend, _ = scripted_run(STEP_VOTE)
+    (candidate,) = result.candidates
+    # step_vote generates each step in k forks; the chosen path holds one step per round.
+    assert candidate.tokens == sum(len(step.replace("\n\n", " ").split()) for step in candidate.steps)
+    assert candidate.tokens < result.generated_tokens, "the forks not chosen were generated too"
+    assert result.answer == candidate.answer
+
+
+def test_one_seed_reproduces_a_search_and_another_seed_changes_it():
+    import dataclasses
+
+    def candidates(seed):
+        result, _, _ = scripted_run("beam_search", dataclasses.replace(SEARCH, seed=seed))
+        return [(c.text, c.score) for c in result.candidates]
+
+    assert candidates(0) == candidates(0)
+    assert candidates(7) == candidates(7)
+    assert candidates(7) != candidates(0)
+    assert request_seed(7, 3) == request_seed(7, 3) != request_seed(7, 4)
+
+
+def test_per_run_views_count_apart_and_into_their_parent():
+    backend = ScriptedBackend()
+    first, second = backend.for_run(1), backend.for_run(2)
+    assert first.ledger is not second.ledger and first.origin is backend is second.origin
+    runtimes = Runtimes(generator=first, scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
+    result = load_program("beam_search")(PROBLEM, SEARCH, runtimes)
+    assert first.ledger.completion_tokens == result.generated_tokens > 0, "the search's own view counts into it"
+    assert second.ledger.requests == 0
+
+
+class DeadRuntime:
+    name, url = "generator", "http://127.0.0.1:9"
+
+    def check_alive(self):
+        pass  # the process is up, but it answers with errors
+
+
+def test_an_endpoint_error_names_the_runtime_and_is_a_search_failure():
+    from sgl_tts.search.api import RUNTIME_FAILURES
+
+    endpoint = TTSEndpoint.__new__(TTSEndpoint)  # no server to ask for model info
+    endpoint.runtime, endpoint.base_url = DeadRuntime(), DeadRuntime.url
+
+    def failing(*args):
+        raise RuntimeError({"error": "bad request"})
+
+    with pytest.raises(GeneratorError, match="generator runtime 'generator' at http://127.0.0.1:9 failed"):
+        endpoint._call(failing)
+    assert issubclass(GeneratorError, RUNTIME_FAILURES)

@@ -1,0 +1,108 @@
+"""The architecture as a test: no import cycles among the project's modules (imports inside functions count),
+imports point down the layers, and programs know nothing of FastTTS (docs/structure.md)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("sgl_tts", "programs", "policies", "eval")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for file in (ROOT / package).rglob("*.py"):
+            parts = file.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its file (a package's own __init__ excluded)."""
+    found = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in found:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, file in found.items():
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                target = resolve(name)
+                if target and target != module and not (module.startswith(target + ".")
+                                                         and found[target].name == "__init__.py"):
+                    targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    upward = [(m, t) for m, targets in graph.items() if m.startswith("sgl_tts") for t in targets
+              if t.split(".")[0] in ("eval", "programs")]
+    assert upward == [], "sgl_tts imports a layer above it"
+    from_policies = [(m, t) for m, targets in graph.items() if m.startswith("policies") for t in targets
+                     if not t.startswith("policies") and t != "sgl_tts.registry"]
+    assert from_policies == [], "policies run inside the scheduler and import only themselves"
+
+
+def test_programs_know_nothing_of_fasttts():
+    forbidden = ("sgl_tts.fasttts", "sgl_tts.frontend", "sgl_tts.runtime", "policies")
+    graph = import_graph()
+    leaks = [(m, t) for m, targets in graph.items() if m.startswith("programs.") for t in targets
+             if t.startswith(forbidden) and not (m == "programs.rsd" and t == "sgl_tts.runtime.roofline")]
+    assert leaks == [], "a program imports below the search API"
