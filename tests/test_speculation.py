@@ -231,7 +231,7 @@ def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard
         assert all(e["start"] >= entry["end"] for e in standard.get(tag.iteration, []))
     stats = result.extra["speculation"]
     assert stats["aborted"] == sum(e["reason"] == "abort" for e in speculative) > 0
-    assert stats["launched"] == len(speculative) and stats["abandoned"] == 0
+    assert stats["launched"] == len(speculative)
 
 
 def test_max_speculative_caps_the_requests_in_flight():

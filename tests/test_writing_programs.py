@@ -20,10 +20,24 @@ PROMPT = "Q: what is two plus two?\n\n"
 PROBLEM = Problem(id="p1", question="what is two plus two?", gold="4")
 
 
+def doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+
+
 def doc_program() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 1, f"expected one python block in {DOC.name}, found {len(blocks)}"
+    blocks = [block for block in doc_blocks() if "greedy_step_program" in block]
+    assert len(blocks) == 1, f"expected one greedy_step block in {DOC.name}, found {len(blocks)}"
     return blocks[0]
+
+
+def without_docstring(code: str) -> str:
+    return code.split('"""', 2)[2].strip()
+
+
+def test_the_plain_program_in_the_doc_is_the_example_file():
+    example = Path(__file__).resolve().parents[1] / "docs" / "examples" / "step_vote.py"
+    blocks = [block for block in doc_blocks() if "@sgl.function\ndef program(" in block]
+    assert len(blocks) == 1 and without_docstring(blocks[0]) == without_docstring(example.read_text())
 
 
 def reference_greedy_step(model: ScriptedModel, config: SearchConfig) -> list[str]:

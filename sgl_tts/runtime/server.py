@@ -1,7 +1,7 @@
 """Start and stop SGLang runtimes (one server process group each) on 127.0.0.1.
 
 A runtime is `python -m sglang.launch_server` in its own process session, so that stopping it reaches the
-scheduler and detokenizer children too. On CPU it runs with the shim (DESIGN.md): the CPU engine switch,
+scheduler and detokenizer children too. On CPU it runs with the shim (docs/sglang.md): the CPU engine switch,
 torch-native attention, fp32 and the one-symbol libcuda stub first on LD_LIBRARY_PATH.
 """
 

@@ -13,7 +13,7 @@ class LikelihoodScorer(StepScorer):
     """Score of a step = exp(mean token log-likelihood of the step under the scorer model).
 
     The geometric-mean token probability of the step given the prompt and the steps before it. On the CPU
-    default it separates right from wrong steps where yes/no prompting does not (DESIGN.md).
+    default it separates right from wrong steps where yes/no prompting does not (docs/sglang.md).
     """
 
     name = "likelihood"

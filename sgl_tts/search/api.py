@@ -37,7 +37,7 @@ class SearchConfig:
     step_delimiter: str = "\n\n"
     aggregation: str = "last"  # how a path's step scores become its score: last, min, prod, mean
     selection: Selection = "weighted"  # final answer: best path, score-weighted vote, or majority vote
-    seed: int = 0
+    seed: int = 0  # reaches the sampler: per-request seeds (scripted backend; a runtime with deterministic inference), the truncation sampler
     lookahead: int = 0  # beam_search: rank a child by a greedy rollout this many steps further (0: off)
     branching_temperature: float = 0.2  # dynamic_branching: softmax temperature of the child allocation
     granularity: int = 1  # varying_granularity: steps generated between verifications (the base g)

@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import pkgutil
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -24,9 +25,14 @@ ProgramFn = Callable[..., object]
 
 def program_names() -> list[str]:
     """The programs found in the `programs/` package, by name."""
-    spec = importlib.util.find_spec(PROGRAMS_PACKAGE)
-    assert spec is not None and spec.submodule_search_locations, f"the {PROGRAMS_PACKAGE!r} package is not installed"
-    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations) if not m.name.startswith("_"))
+    package = sys.modules.get(PROGRAMS_PACKAGE)  # its __path__ may have been extended
+    if package is not None:
+        locations = list(package.__path__)
+    else:
+        spec = importlib.util.find_spec(PROGRAMS_PACKAGE)
+        assert spec is not None and spec.submodule_search_locations, f"the {PROGRAMS_PACKAGE!r} package is missing"
+        locations = list(spec.submodule_search_locations)
+    return sorted(m.name for m in pkgutil.iter_modules(locations) if not m.name.startswith("_"))
 
 
 def _load_file(path: Path) -> ModuleType:
