@@ -186,26 +186,35 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
     assert all(r.stopped for r in started)
 
 
-def test_bench_rows_and_ratios_to_the_baseline():
-    from sgl_tts.bench.fasttts import format_table, measure
+def test_bench_cells_medians_ranges_and_claims():
+    from sgl_tts.bench.fasttts import Arm, compare, format_table, measure
     from sgl_tts.search.records import Candidate, SearchResult
 
-    def result(tokens, seconds, speculation=None):
+    def result(tokens, seconds, verifier_s=0.0, speculation=None):
         candidate = Candidate(steps=["a"], step_scores=[0.5], score=0.5, answer="4", tokens=tokens,
                               completion_time_s=seconds, finish_reason="answer")
         return SearchResult(problem_id="p", program="beam_search", answer="4", candidates=[candidate],
-                            prompt_tokens=100, cached_tokens=90, total_time_s=seconds,
-                            extra={"speculation": speculation} if speculation else {})
+                            prompt_tokens=100, cached_tokens=90, total_time_s=seconds, generator_time_s=seconds,
+                            verifier_time_s=verifier_s, extra={"speculation": speculation} if speculation else {})
 
-    base = measure([result(10, 10.0), result(30, 10.0)])
+    base = measure([result(10, 10.0, 2.5), result(30, 10.0, 2.5)], verifier=(200, 50))
     assert base["goodput"] == pytest.approx(2.0) and base["p50_latency_s"] == 10.0
-    assert base["cache_hit_rate"] == pytest.approx(0.9)
-    fast = measure([result(10, 2.0, {"launched": 3}), result(30, 6.0, {"launched": 2})])
+    assert base["verifier_cache_hit"] == pytest.approx(0.25) and base["verifier_share"] == pytest.approx(0.2)
+    fast = measure([result(10, 2.0, speculation={"launched": 3}), result(30, 6.0, speculation={"launched": 2})])
     assert fast["goodput"] == pytest.approx(5.0) and fast["speculation"] == {"launched": 5}
-    table = format_table({("baseline", 8): base, ("P+M+S", 8): fast}, [8], ["baseline", "P", "P+M+S"])
-    lines = table.splitlines()
+    # medians, and a claim only where the ranges do not overlap
+    assert compare([5.0, 6.0, 4.0], [2.0, 2.5, 1.5], lower_is_better=False) == (pytest.approx(2.5), True)
+    assert compare([5.0, 6.0, 2.0], [2.0, 2.5, 1.5], lower_is_better=False)[1] is False, "overlapping ranges"
+    assert compare([3.0, 4.0], [8.0, 9.0], lower_is_better=True) == (pytest.approx(3.5 / 8.5), True)
+    cells = {("beam_search", 8, "baseline"): [base, base], ("beam_search", 8, "all"): [fast, fast]}
+    lines = format_table(cells, ["beam_search"], [8], ["baseline", "V", "all"]).splitlines()
     assert len(lines) == 3, "a header, then one line per measured arm"
-    assert "1.00x" in lines[1] and "2.50x" in lines[2] and "0.40x" in lines[2]
+    assert "1.00x " in lines[1] and "2.50x*" in lines[2] and "0.40x*" in lines[2]
+    assert Arm.parse("all") == Arm("all", "P+M+S", True) and Arm.parse("V") == Arm("V", "baseline", True)
+    assert Arm.parse("P+M") == Arm("P+M", "P+M", False)
+    for bad in ("Q", "V+V", ""):
+        with pytest.raises(ValueError, match="bad arm"):
+            Arm.parse(bad)
 
 
 def test_co_located_cpu_runtimes_split_the_cores():

@@ -66,6 +66,21 @@ def load_run_config(path: str | Path) -> RunConfig:
     return load_yaml(RunConfig, path)
 
 
+def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
+    """The runtimes a session of `config` starts, with the FastTTS settings applied (the generator's policy
+    and priority scheduling, the KV split with the scorer) and the CPU cores split between them."""
+    wanted = {"generator": config.generator}
+    if config.scorer.runtime is not None:
+        wanted["scorer"] = config.scorer.runtime
+    if isinstance(config.target, RuntimeConfig):
+        wanted["target"] = config.target
+    settings = configure_runtimes(config.fasttts, config.search, wanted["generator"], wanted.get("scorer"))
+    wanted["generator"] = settings.generator
+    if settings.verifier is not None:
+        wanted["scorer"] = settings.verifier
+    return settings, share_cpu_cores(wanted)
+
+
 class Session:
     """Owns the runtimes of one run. Use as a context manager so they are always stopped."""
 
@@ -90,18 +105,7 @@ class Session:
 
         began = time.monotonic()
         log_dir = self.config.log_dir
-        wanted = {"generator": self.config.generator}
-        if self.config.scorer.runtime is not None:
-            wanted["scorer"] = self.config.scorer.runtime
-        if isinstance(self.config.target, RuntimeConfig):
-            wanted["target"] = self.config.target
-        # FastTTS: the generator's scheduler policy and priority scheduling, the KV split with the scorer.
-        self.fasttts = configure_runtimes(self.config.fasttts, self.config.search, wanted["generator"],
-                                          wanted.get("scorer"))
-        wanted["generator"] = self.fasttts.generator
-        if self.fasttts.verifier is not None:
-            wanted["scorer"] = self.fasttts.verifier
-        wanted = share_cpu_cores(wanted)
+        self.fasttts, wanted = planned_runtimes(self.config)
         # Start all processes first, then wait: start-ups overlap.
         for name, runtime_config in wanted.items():
             previous = self._reuse.pop(name, None)
