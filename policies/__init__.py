@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid, encode_rid
 from policies.prefix_order import PrefixAwareOrder
+from sgl_tts.registry import Registry
 
-POLICIES: dict[str, type[OrderingPolicy]] = {cls.name: cls for cls in (FcfsOrder, PrefixAwareOrder)}
+POLICIES: Registry[type[OrderingPolicy]] = Registry("scheduler policy",
+                                                    {cls.name: cls for cls in (FcfsOrder, PrefixAwareOrder)})
 
 
 def make_policy(name: str) -> OrderingPolicy:
-    """A fresh policy by name; an unknown name lists the known ones."""
-    if name not in POLICIES:
-        raise KeyError(f"unknown scheduler policy {name!r}; known policies: {', '.join(sorted(POLICIES))}")
+    """A fresh policy by name; an unknown name lists the known ones (KeyError)."""
     return POLICIES[name]()
 
 

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from sgl_tts.registry import Registry
 from sgl_tts.search.records import parse_json_object
 
 
@@ -94,12 +95,12 @@ def _plain_gold(value: Any) -> str:
     return _number_text(value) if isinstance(value, (int, float)) else str(value).strip()
 
 
-GOLD_FORMATS: dict[str, Callable[[Any], str]] = {
+GOLD_FORMATS: Registry[Callable[[Any], str]] = Registry("gold format", {
     "integer": _number_text,  # AIME and AMC: zero padding and ".0" dropped
     "gsm8k": _gsm8k_gold,
     "latex": _latex_gold,
     "plain": _plain_gold,
-}
+})
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,13 @@ class DatasetSpec:
 QUESTION_FIELDS = ("problem", "question", "prompt")
 ID_FIELDS = ("id", "unique_id", "task_id")
 
-DATASETS: dict[str, DatasetSpec] = {
+DATASETS: Registry[DatasetSpec] = Registry("dataset", {
     "aime24": DatasetSpec("problem", "answer", "id", "integer"),
     "amc23": DatasetSpec("problem", "answer", "id", "integer"),
     "math500": DatasetSpec("problem", "answer", "unique_id", "latex"),
     "gsm8k": DatasetSpec("question", "answer", None, "gsm8k"),
     "humaneval": DatasetSpec("prompt", None, "task_id", "plain", has_gold=False),
-}
+})
 BUILTIN = "builtin"
 
 
@@ -140,7 +141,7 @@ def data_root() -> Path:
 
 def dataset_path(name: str, root: str | Path | None = None) -> Path:
     if name not in DATASETS:
-        raise DatasetError(f"unknown dataset '{name}'; choices: {', '.join(sorted(DATASETS))}")
+        raise DatasetError(DATASETS.unknown(name))
     return Path(root or data_root()) / name / "test.jsonl"
 
 
@@ -208,7 +209,7 @@ def _resolve_field(explicit: str | None, candidates: Iterable[str], record: dict
 def _to_problems(rows: list[tuple[int, dict[str, Any]]], spec: DatasetSpec, where: str) -> list[Problem]:
     """Map records to Problems; `where` names the file (or hub dataset) in error messages."""
     if spec.gold_format not in GOLD_FORMATS:
-        raise DatasetError(f"unknown gold format '{spec.gold_format}'; known: {', '.join(GOLD_FORMATS)}")
+        raise DatasetError(GOLD_FORMATS.unknown(spec.gold_format))
     normalize = GOLD_FORMATS[spec.gold_format]
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}

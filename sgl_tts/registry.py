@@ -38,7 +38,7 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def unknown(self, name: object) -> str:
         """The error message for a name that is not registered."""
-        return f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
+        return f"unknown {self.kind} {name!r}; known: {', '.join(self._entries)}"
 
     def check(self, name: object) -> None:
         """Raise ValueError (what config validation raises) unless `name` is registered."""

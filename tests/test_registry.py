@@ -46,3 +46,19 @@ def run(problem, config, runtimes):
                  Runtimes(generator=ScriptedBackend(), scorer=ScriptedScorer(), prompt=lambda q: q + "\n\n"))
     assert result.program == "greedy_chain"
     assert len(result.candidates) == 1 and 1 <= len(result.candidates[0].steps) <= 5
+
+
+def test_a_registry_names_what_it_knows():
+    import pytest
+
+    from sgl_tts.registry import Registry
+
+    colours = Registry("colour", {"red": 1})
+    colours.register("blue")(2)
+    assert colours["blue"] == 2 and list(colours) == ["red", "blue"] and "red" in colours and len(colours) == 2
+    with pytest.raises(KeyError, match="unknown colour 'green'; known: red, blue"):
+        colours["green"]
+    with pytest.raises(ValueError, match="unknown colour 'green'; known: red, blue"):
+        colours.check("green")
+    with pytest.raises(ValueError, match="registered twice"):
+        colours.add("red", 3)

@@ -352,7 +352,7 @@ def write_config(tmp_path, text):
 @pytest.mark.parametrize("body,message", [
     ("target: generator\nrsd: {delta: 1.5}", r"rsd: delta must be in \[0, 1\], got 1.5"),
     ("target: generator\nrsd: {delta: -0.1}", r"rsd: delta must be in \[0, 1\]"),
-    ("target: generator\nrsd: {weighting: step}", "rsd: weighting must be one of binary.*got 'step'"),
+    ("target: generator\nrsd: {weighting: step}", "rsd: unknown weighting 'step'; known: binary"),
     ("scorer: {kind: likelihood}", "'rsd' needs 'target'"),
     ("target: draft", "'target' must be a mapping"),
     ("target: generator\nrsd: {omega: binary}", "unknown key 'rsd.omega'"),

@@ -94,7 +94,7 @@ def test_every_weighting_maps_rewards_into_unit_interval():
 
 
 def test_unknown_weighting_lists_known_names():
-    with pytest.raises(ValueError, match="binary, clipping, constant, logistic, sigmoidal"):
+    with pytest.raises(ValueError, match="unknown weighting .softmax.; known: binary, constant, clipping, sigmoidal, logistic"):
         get_weighting("softmax")
 
 

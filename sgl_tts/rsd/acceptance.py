@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from sgl_tts.registry import Registry
+
 WeightingFn = Callable[[float, "RSDConfig"], float]
 
 
@@ -46,18 +48,17 @@ def logistic_weight(r: float, config: RSDConfig) -> float:
     return ez / (1.0 + ez)
 
 
-WEIGHTINGS: dict[str, WeightingFn] = {
+WEIGHTINGS: Registry[WeightingFn] = Registry("weighting", {
     "binary": binary_weight,
     "constant": constant_weight,
     "clipping": clipping_weight,
     "sigmoidal": sigmoidal_weight,
     "logistic": logistic_weight,
-}
+})
 
 
 def get_weighting(name: str) -> WeightingFn:
-    if name not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {name!r}; known: {', '.join(sorted(WEIGHTINGS))}")
+    WEIGHTINGS.check(name)
     return WEIGHTINGS[name]
 
 
@@ -76,8 +77,7 @@ class RSDConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {', '.join(sorted(WEIGHTINGS))}, got {self.weighting!r}")
+        WEIGHTINGS.check(self.weighting)
         if not 0.0 <= self.delta <= 1.0:
             raise ValueError(f"delta must be in [0, 1], got {self.delta}")
         if not 0.0 <= self.constant <= 1.0:

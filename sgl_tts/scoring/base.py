@@ -11,18 +11,19 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
-AGGREGATIONS: dict[str, Callable[[Sequence[float]], float]] = {
+from sgl_tts.registry import Registry
+
+AGGREGATIONS: Registry[Callable[[Sequence[float]], float]] = Registry("aggregation", {
     "last": lambda scores: scores[-1],
     "min": min,
     "prod": math.prod,
     "mean": lambda scores: sum(scores) / len(scores),
-}
+})
 
 
 def aggregate(step_scores: Sequence[float], strategy: str) -> float:
     """One score for a path from its step scores; a path with no scored step gets 0."""
-    if strategy not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {strategy!r}; known: {', '.join(AGGREGATIONS)}")
+    AGGREGATIONS.check(strategy)
     return AGGREGATIONS[strategy](step_scores) if step_scores else 0.0
 
 

@@ -54,8 +54,7 @@ class SearchConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.step_delimiter:
             raise ValueError("step_delimiter must not be empty")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        AGGREGATIONS.check(self.aggregation)
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.granularity < 1:

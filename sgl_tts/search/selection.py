@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from sgl_tts.registry import Registry
 from sgl_tts.search.grading import answers_equal
 
 Equal = Callable[[str, str], bool]
@@ -81,13 +82,12 @@ def _check_lengths(items: Sequence, scores: Sequence[float]) -> None:
         raise ValueError(f"{len(items)} answers but {len(scores)} scores")
 
 
-SELECTORS = {"majority": majority_vote, "weighted": weighted_vote, "best": best_score}
+SELECTORS = Registry("selection method", {"majority": majority_vote, "weighted": weighted_vote, "best": best_score})
 
 
 def select(method: str, answers: Sequence[str | None], scores: Sequence[float]) -> str | None:
     """Select by method name: one of SELECTORS."""
-    if method not in SELECTORS:
-        raise ValueError(f"unknown selection method '{method}'; known: {', '.join(SELECTORS)}")
+    SELECTORS.check(method)
     if method == "majority":
         return majority_vote(answers)
     return SELECTORS[method](answers, scores)
