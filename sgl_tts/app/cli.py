@@ -32,6 +32,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         search_overrides["program"] = args.program
     if args.n:
         search_overrides["n"] = args.n
+    if args.tree:
+        search_overrides["record_tree"] = True
     if search_overrides:
         try:
             config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
@@ -52,7 +54,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with Session(config) as session:
         print(f"runtimes ready in {session.started_s:.0f} s: "
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
-        return print_run(session.solve_all(problems), config)
+        return print_run(_write_trees(session.solve_all(problems), args.tree), config)
+
+
+def _write_trees(results, folder):
+    """Pass (problem, result) pairs through, drawing each result's search tree into `folder` (when set)."""
+    for problem, result in results:
+        if folder and "tree" in result.extra:
+            from sgl_tts.app.tree_plot import plot_tree
+
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(problem.id))
+            plot_tree(result.extra["tree"], f"{folder}/{safe}.png", f"{result.program}: {problem.id} -> {result.answer}")
+        yield problem, result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--n", type=int, help="override search.n")
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
     run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
+    run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
     run.set_defaults(func=_cmd_run)
 
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")

@@ -293,6 +293,7 @@ class SpeculativeExtension:
                     self.stats.lookahead_steps += 1
                     meta = {"completion_tokens": head.tokens, "finish_reason": head.branch.finish_reason}
                     child = self._child(parent, parent_index, fork, head.text, meta, config, tracker, extract_answer)
+                    child.extra["head_start_tokens"] = head.tokens
                     self._child_done(state, slot, child, config)
                 else:
                     budget = step_budget(parent, config) - (head.tokens if head else 0)
@@ -325,6 +326,8 @@ class SpeculativeExtension:
             tokens = int(meta.get("completion_tokens", 0)) + (head.tokens if head else 0)
             child = self._child(pending.parent, pending.parent_index, pending.fork, text,
                                 {**meta, "completion_tokens": tokens}, config, tracker, extract_answer)
+            if head is not None:
+                child.extra["head_start_tokens"] = head.tokens
             self._child_done(state, slot, child, config)
 
     def _fill_free_slots(self, state: _Round, config: SearchConfig) -> None:

@@ -20,6 +20,7 @@ from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
 from sgl_tts.search.grading import extract_answer
 from sgl_tts.search.records import Candidate, SearchResult
+from sgl_tts.search.tree import SearchTree
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -43,6 +44,7 @@ class SearchConfig:
     granularity: int = 1  # varying_granularity: steps generated between verifications (the base g)
     adaptive_granularity: bool = False  # varying_granularity: double g while verification does not separate
     granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
+    record_tree: bool = False  # put the scored search tree in the result (extra["tree"], sgl_tts.search.tree)
 
     def __post_init__(self) -> None:
         for name in ("n", "beam_width", "max_steps", "max_step_tokens", "max_tokens"):
@@ -132,6 +134,7 @@ class SearchTracker:
         self.verifier_time_s = 0.0
         self.iterations = 0
         self.verifier_calls = 0
+        self.tree = SearchTree()
         self.extra: dict[str, Any] = {}  # program-specific counts for the result's `extra`
 
     def elapsed(self) -> float:
@@ -167,6 +170,7 @@ class SearchTracker:
         for path, path_scores in zip(paths, scores):
             assert len(path_scores) == len(path.steps), "scorer must return one score per step"
             path.step_scores = list(path_scores)
+            self.tree.add(path.steps, path.step_scores, path.extra.get("head_start_tokens", 0))
 
 
 def step_gen(config: SearchConfig, path: Path, name: str = "step"):
@@ -292,12 +296,18 @@ def build_result(problem_id: str, program: str, paths: Sequence[Path], config: S
         for p in sorted(paths, key=lambda p: rank_key(p, config.aggregation))
     ]
     answer = select(config.selection, [c.answer for c in candidates], [c.score for c in candidates])
+    extra = {**tracker.extra, **(extra or {})}
+    if config.record_tree:
+        for candidate in candidates:  # paths that were never scored still show where they ended
+            tracker.tree.add(candidate.steps, candidate.step_scores)
+        extra["tree"] = tracker.tree.export([(c.steps, c.finish_reason, c.answer is not None and c.answer == answer)
+                                             for c in candidates])
     return SearchResult(
         problem_id=problem_id, program=program, answer=answer, candidates=candidates,
         generated_tokens=tracker.generated_tokens, prompt_tokens=tracker.prompt_tokens,
         cached_tokens=tracker.cached_tokens, generator_time_s=tracker.generator_time_s,
         verifier_time_s=tracker.verifier_time_s, total_time_s=end, iterations=tracker.iterations,
-        verifier_calls=tracker.verifier_calls, error=error, extra={**tracker.extra, **(extra or {})},
+        verifier_calls=tracker.verifier_calls, error=error, extra=extra,
     )
 
 
