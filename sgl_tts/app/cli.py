@@ -125,12 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_sigterm()
     from sgl_tts.config import ConfigError
     from sgl_tts.problems import DatasetError
+    from sgl_tts.runtime.cpu_shim import ShimBuildError
     from sgl_tts.runtime.models import ModelNotFoundError
     from sgl_tts.runtime.server import RuntimeStartError
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, KeyError) as exc:
+    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, ShimBuildError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"sgl-tts: error: {message}", file=sys.stderr)
         return 2
