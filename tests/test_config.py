@@ -7,6 +7,7 @@ from sgl_tts.config import ConfigError, load_dataclass, load_yaml
 from sgl_tts.scoring.base import aggregate
 from sgl_tts.search.api import SearchConfig
 from sgl_tts.app.session import RunConfig
+from sgl_tts.runtime.server import RuntimeConfig, server_command
 
 
 def write(tmp_path, text):
@@ -134,3 +135,26 @@ def test_an_annotation_the_loader_cannot_check_is_a_loud_bug():
 
     with pytest.raises(TypeError, match="cannot check values of type"):
         load_dataclass(Unsupported, {"callback": "print"}, "t.yaml")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_hosts_need_no_opt_in(host):
+    assert RuntimeConfig(host=host).host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.7", "10.0.0.1", "my-machine.example.org", ""])
+def test_a_non_loopback_host_needs_allow_remote(tmp_path, host):
+    path = write(tmp_path, f"generator:\n  host: '{host}'\n")
+    with pytest.raises(ConfigError, match=r"host .* is not a loopback address.*allow_remote: true") as info:
+        load_yaml(RunConfig, path)
+    assert str(info.value).startswith(f"{path}: generator: host '{host}'")
+    config = load_yaml(RunConfig, write(tmp_path, f"generator:\n  host: '{host}'\n  allow_remote: true\n"))
+    assert config.generator.host == host and config.generator.allow_remote
+    assert server_command(config.generator, "model", 30000)[5:7] == ["--host", host]
+
+
+def test_extra_args_cannot_set_the_host():
+    for extra_args in (["--host", "0.0.0.0"], ["--host=0.0.0.0"]):
+        with pytest.raises(ValueError, match="extra_args must not set --host"):
+            RuntimeConfig(extra_args=extra_args)
+    assert RuntimeConfig(extra_args=["--hostname-is-not-a-flag"]).extra_args  # only --host itself is refused
