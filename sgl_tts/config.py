@@ -150,6 +150,21 @@ def load_dataclass(cls: type[T], data: dict[str, Any] | None, source: str = "<co
         raise ConfigError(f"{source}: {prefix.rstrip('.') or cls.__name__}: {exc}") from exc
 
 
+def find_config(path: str | Path, packaged: Path) -> Path:
+    """`path` when it is a file; else, for a relative path, the config of that file name (".yaml" optional) in
+    the folder `packaged` of configs shipped with the package, so that `cpu-default` and the checkout's old
+    `configs/cpu-default.yaml` are found from any directory, as an installed command's configs would be."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute():
+        return path
+    for name in (path.name, path.name + ".yaml"):
+        if (packaged / name).is_file():
+            return packaged / name
+    known = ", ".join(sorted(p.stem for p in packaged.glob("*.yaml")))
+    raise ConfigError(f"config file not found: {path} (and no packaged config named '{path.stem}'; "
+                      f"packaged: {known or 'none'})")
+
+
 def load_yaml(cls: type[T], path: str | Path) -> T:
     """Load the YAML file at `path` into `cls`."""
     path = Path(path)

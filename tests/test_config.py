@@ -55,8 +55,9 @@ def test_missing_file_is_clear():
 def test_shipped_configs_load():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    for path in (root / "configs").glob("*.yaml"):
+    shipped = sorted((Path(__file__).resolve().parent.parent / "sgl_tts" / "configs").glob("*.yaml"))
+    assert [path.name for path in shipped] == ["cpu-default.yaml", "rsd-cpu.yaml"]
+    for path in shipped:
         load_yaml(RunConfig, path)
 
 

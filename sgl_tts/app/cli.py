@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     programs.set_defaults(func=_cmd_programs)
 
     run = commands.add_parser("run", help="run a search program over a problem set")
-    run.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML)")
+    run.add_argument("--config", default="cpu-default",
+                     help="run config: a YAML path or a packaged config's name (cpu-default, rsd-cpu)")
     run.add_argument("--program", help="override search.program")
     run.add_argument("--n", type=int, help="override search.n")
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")

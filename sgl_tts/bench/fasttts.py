@@ -194,7 +194,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser = bench_subparsers.add_parser("fasttts", help="FastTTS ablation: baseline vs P, P+M, P+M+S (Fig. 16)")
-    parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
+    parser.add_argument("--config", default="cpu-default",
+                        help="run config (YAML path or packaged name): models, verifier")
     parser.add_argument("--ns", default="8,16", help="comma-separated beam counts n")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms (baseline or P/M/S joined by +)")
     parser.add_argument("--problems", type=int, default=2, help="bundled problems per (arm, n)")
