@@ -68,9 +68,10 @@ def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
                 return _convert(value, arg, key, source)
             except ConfigError as exc:
                 errors.append(exc)
-        # A value of the right shape that failed further in (`env.PORT` of an Optional mapping) is reported
-        # there, not as "must be X or Y" for the whole value.
-        deeper = [exc for exc in errors if getattr(exc, "key", key) != key]
+        # A value of the right shape that failed further in (`env.PORT` of an Optional mapping, an unknown key
+        # in a dataclass alternative) is reported there, not as "must be X or Y" for the whole value. Only
+        # `fail()` at this level tags an error with this very key.
+        deeper = [exc for exc in errors if getattr(exc, "key", None) != key]
         raise deeper[0] if deeper else fail()
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):

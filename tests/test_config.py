@@ -159,3 +159,15 @@ def test_extra_args_cannot_set_the_host():
         with pytest.raises(ValueError, match="extra_args must not set --host"):
             RuntimeConfig(extra_args=extra_args)
     assert RuntimeConfig(extra_args=["--hostname-is-not-a-flag"]).extra_args  # only --host itself is refused
+
+
+def test_a_union_reports_the_error_inside_the_alternative_that_fits(tmp_path):
+    cases = {
+        "target:\n  modle: tiny-random\n": r"unknown key 'target\.modle'",
+        "target:\n  env: {A: 1}\n": r"'target\.env\.A' must be str, got 1",
+        "target:\n  host: 0.0.0.0\n": r"target: host '0\.0\.0\.0' is not a loopback address",
+        "target: draft\n": r"'target' must be a mapping \(RuntimeConfig\) or one of 'generator' or null, got 'draft'",
+    }
+    for text, pattern in cases.items():
+        with pytest.raises(ConfigError, match=pattern):
+            load_yaml(RunConfig, write(tmp_path, text))
