@@ -1,7 +1,7 @@
 # sgl-tts: `make run` sets up and runs the CPU default; `make test` sets up and runs the tests.
 PY := .venv/bin/python
 CONFIG ?= eval/configs/cpu-default.yaml
-RUN_CONFIG ?= configs/cpu-default.yaml
+RUN_CONFIG ?= sgl_tts/configs/cpu-default.yaml  # a path, or a packaged config's name
 
 .PHONY: setup run test test-fast bench eval clean
 

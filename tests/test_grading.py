@@ -131,3 +131,61 @@ def test_very_long_numbers_compare_as_strings():
     digits = "9" * 5000
     assert answers_equal(digits, digits)
     assert not answers_equal(digits, digits + "1")
+
+
+class _ScriptedHelper:
+    """Stands in for the math-verify helper: answers each compare() with the next scripted reply."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)
+        self.calls = 0
+
+    def compare(self, gold, predicted, timeout_s):
+        self.calls += 1
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+def test_a_timed_out_comparison_is_not_cached(monkeypatch):
+    helper = _ScriptedHelper(grading.ComparisonTimeout("deadline"), True)
+    monkeypatch.setattr(grading, "_HELPER", helper)
+    grading._math_verify_equal.cache_clear()
+    assert not answers_equal("\\sqrt{4}", "2"), "no verdict in time: not equal for now"
+    assert answers_equal("\\sqrt{4}", "2"), "the timeout was not cached: the second call asks again"
+    assert answers_equal("\\sqrt{4}", "2")
+    assert helper.calls == 2, "a verdict is cached: the third call must not ask the helper"
+    grading._math_verify_equal.cache_clear()
+
+
+def test_a_verdict_of_not_equal_or_unparseable_is_cached(monkeypatch):
+    helper = _ScriptedHelper(False, None)
+    monkeypatch.setattr(grading, "_HELPER", helper)
+    grading._math_verify_equal.cache_clear()
+    for _ in range(2):
+        assert not answers_equal("\\sqrt{5}", "2")
+        assert not answers_equal("2", "}}{{")
+    assert helper.calls == 2
+    grading._math_verify_equal.cache_clear()
+
+
+def test_math_verify_own_timeout_is_reported_as_no_verdict():
+    # Run in this (main) thread, as in the helper process: math-verify's signal timeout applies.
+    reply = grading._verify_request({"gold": "9^{9^{9^{9}}}", "predicted": "7", "inner_timeout_s": 1})
+    assert reply == {"equal": None, "timed_out": True}
+    assert grading._verify_request({"gold": "x", "predicted": "y", "inner_timeout_s": 1}) == \
+        {"equal": False, "timed_out": False}
+    assert grading._verify_request({"gold": "2", "predicted": "}}{{", "inner_timeout_s": 1}) == \
+        {"equal": None, "timed_out": False}
+    assert grading._verify_request({"gold": "1/2", "predicted": "2/4", "inner_timeout_s": 1}) == \
+        {"equal": True, "timed_out": False}
+
+
+def test_timeouts_through_the_real_helper_leave_the_cache_empty():
+    grading._math_verify_equal.cache_clear()
+    for timeout_s in (4, 0.5):  # math-verify's own timeout (1 s inside 4 s), then the hard deadline
+        assert not answers_equal("9^{9^{9^{9}}}", "11", timeout_s=timeout_s)
+    assert grading._math_verify_equal.cache_info().currsize == 0
+    assert answers_equal("\\frac{3}{6}", "0.5")
+    assert grading._math_verify_equal.cache_info().currsize == 1

@@ -17,7 +17,7 @@ from sgl_tts.rsd.acceptance import RSDConfig, StepRecord
 from sgl_tts.rsd.sweep import format_table, parse_deltas, run_statistics, run_sweep, step_records, write_outputs
 from sgl_tts.scoring.base import StepScorer
 from sgl_tts.search.api import Runtimes, SearchConfig
-from sgl_tts.app.session import RunConfig
+from sgl_tts.app.session import RunConfig, load_run_config
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 DRAFT_MODEL = ScriptedModel(answer_depth=2, answer_chance=0.3, eos_chance=0.1, answers=4)
@@ -391,7 +391,7 @@ def test_cli_errors_name_the_setting(tmp_path, capsys):
 
 
 def test_rsd_cpu_config_loads():
-    config = load_yaml(RunConfig, "configs/rsd-cpu.yaml")
+    config = load_run_config("rsd-cpu")
     assert config.search.program == "rsd" and config.target == "generator"
     assert config.generator.model == "smollm2-135m" and config.rsd.weighting == "binary"
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     programs.set_defaults(func=_cmd_programs)
 
     run = commands.add_parser("run", help="run a search program over a problem set")
-    run.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML)")
+    run.add_argument("--config", default="cpu-default",
+                     help="run config: a YAML path or a packaged config's name (cpu-default, rsd-cpu)")
     run.add_argument("--program", help="override search.program")
     run.add_argument("--n", type=int, help="override search.n")
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
@@ -139,12 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_on_sigterm()
     from sgl_tts.config import ConfigError
     from sgl_tts.problems import DatasetError
+    from sgl_tts.runtime.cpu_shim import ShimBuildError
     from sgl_tts.runtime.models import ModelNotFoundError
     from sgl_tts.runtime.server import RuntimeStartError
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, KeyError) as exc:
+    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, ShimBuildError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"sgl-tts: error: {message}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
-from sgl_tts.config import load_yaml
+from sgl_tts.config import find_config, load_yaml
 from sgl_tts.fasttts.speculation import HttpSpeculationClient, extension_factory
 from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes
 from sgl_tts.search.records import SearchResult
@@ -62,8 +62,12 @@ class RunConfig:
                                      f"set 'rsd.{name}' instead of 'search.{name}'")
 
 
+RUN_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # sgl_tts/configs: package data
+
+
 def load_run_config(path: str | Path) -> RunConfig:
-    return load_yaml(RunConfig, path)
+    """Load a run config from `path`, or, when no such relative path exists, the packaged config of that name."""
+    return load_yaml(RunConfig, find_config(path, RUN_CONFIGS))
 
 
 def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:

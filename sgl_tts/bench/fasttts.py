@@ -310,7 +310,8 @@ def run_cell(pool: SessionPool, config: Any, problems: list[Any], describe: Any)
 def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser = bench_subparsers.add_parser("fasttts", help="FastTTS ablation with repeats: baseline vs V, P, P+M, "
                                                          "P+M+S, all (Fig. 16)")
-    parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
+    parser.add_argument("--config", default="cpu-default",
+                        help="run config (YAML path or packaged name): models, verifier")
     parser.add_argument("--quick", action="store_true",
                         help="beam search, n=8, baseline vs all, 3 problems, 3 repeats (about 10 minutes here)")
     parser.add_argument("--programs", default=None, help=f"comma-separated (default {','.join(PROGRAMS)})")

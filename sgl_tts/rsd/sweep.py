@@ -356,7 +356,8 @@ def _cmd_rsd_sweep(args: argparse.Namespace) -> int:
 
 def add_rsd_sweep_parser(commands: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser("rsd-sweep", help="RSD accuracy, draft-only fraction and FLOPs against delta")
-    parser.add_argument("--config", default="configs/rsd-cpu.yaml", help="run config with search.program: rsd")
+    parser.add_argument("--config", default="rsd-cpu",
+                        help="run config (YAML path or packaged name) with search.program: rsd")
     parser.add_argument("--deltas", type=parse_deltas, default=list(DEFAULT_DELTAS),
                         help="comma-separated thresholds in [0, 1] (default 0,0.1,...,1)")
     parser.add_argument("--limit", type=int, help="only the first LIMIT problems")

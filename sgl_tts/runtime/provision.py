@@ -1,20 +1,33 @@
-"""`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim); idempotent."""
+"""`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim); idempotent.
+
+A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 
-from sgl_tts.runtime.cpu_shim import shim_dir
-from sgl_tts.runtime.models import provision_smollm2, provision_tiny_random
+from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
+from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
 
 
-def main() -> None:
+def provision() -> None:
     began = time.monotonic()
-    print(f"setup: model smollm2-135m at {provision_smollm2()}")
-    print(f"setup: model tiny-random at {provision_tiny_random()}")
-    print(f"setup: CPU shim at {shim_dir()}")
+    print(f"setup: model smollm2-135m at {provision_smollm2()}", flush=True)
+    print(f"setup: model tiny-random at {provision_tiny_random()}", flush=True)
+    print(f"setup: CPU shim at {shim_dir()}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 
+def main() -> int:
+    try:
+        provision()
+    except (ShimBuildError, ModelNotFoundError) as exc:
+        print(f"setup: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,7 @@
 """Start and stop SGLang runtimes (one server process group each) on 127.0.0.1.
 
+A runtime binds a loopback address unless its config opts in with `allow_remote: true`.
+
 A runtime is `python -m sglang.launch_server` in its own process session, so that stopping it reaches the
 scheduler and detokenizer children too. On CPU it runs with the shim (docs/sglang.md): the CPU engine switch,
 torch-native attention, fp32 and the one-symbol libcuda stub first on LD_LIBRARY_PATH.
@@ -7,6 +9,7 @@ torch-native attention, fp32 and the one-symbol libcuda stub first on LD_LIBRARY
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -40,7 +43,8 @@ class RuntimeConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
     attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
-    host: str = LOCALHOST
+    host: str = LOCALHOST  # a loopback address, or any address with allow_remote
+    allow_remote: bool = False  # the opt-in for a host other machines can reach
     port: int | None = None  # None: a free port
     max_total_tokens: int | None = None  # KV token budget (the memory planner sets it)
     mem_fraction_static: float | None = None
@@ -55,6 +59,11 @@ class RuntimeConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(f"host {self.host!r} is not a loopback address, so other machines could reach the "
+                             "server: use 127.0.0.1, or set allow_remote: true to bind it anyway")
+        if any(arg == "--host" or arg.startswith("--host=") for arg in self.extra_args):
+            raise ValueError("extra_args must not set --host: set 'host' (and allow_remote for a non-loopback one)")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -66,6 +75,17 @@ class RuntimeConfig:
         for name in ("startup_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only ("localhost" or a loopback IP; a host name may resolve
+    to any interface, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str = LOCALHOST) -> int:

@@ -12,6 +12,9 @@ signal timeouts apply. The parent also waits on the reply with a hard deadline a
 it passes (covers work a signal cannot interrupt, such as a long C-level big-integer operation); the next
 call starts a fresh helper. Answers longer than `MAX_MATH_VERIFY_CHARS` are never sent. Plain numbers
 are compared in-process without the helper. Safe to call from any thread.
+
+Verdicts are cached per (gold, predicted, timeout); a comparison that timed out (either deadline) or lost
+its helper has no verdict and is never cached, so a later call tries again (on a busy machine it may finish).
 """
 
 from __future__ import annotations
@@ -185,8 +188,10 @@ def answers_equal(a: str | None, b: str | None, timeout_s: float = DEFAULT_TIMEO
         return False  # two different plain numbers
     if len(a) > MAX_MATH_VERIFY_CHARS or len(b) > MAX_MATH_VERIFY_CHARS:
         return False
-    verdict = _math_verify_equal(a.strip(), b.strip(), float(timeout_s))
-    return bool(verdict)
+    try:
+        return bool(_math_verify_equal(a.strip(), b.strip(), float(timeout_s)))
+    except ComparisonTimeout:
+        return False  # the string comparison above said not equal; not cached, so a later call tries again
 
 
 def grade(predicted: str | None, gold: str | None, dataset: str | None = None,
@@ -205,8 +210,14 @@ def grade(predicted: str | None, gold: str | None, dataset: str | None = None,
 # The math-verify helper process
 
 
+class ComparisonTimeout(Exception):
+    """math-verify gave no verdict in time (or its helper died); raised through the cache so it is not stored."""
+
+
 @functools.lru_cache(maxsize=8192)
 def _math_verify_equal(gold: str, predicted: str, timeout_s: float) -> bool | None:
+    """math-verify's verdict (None: it could not parse an answer). lru_cache keeps returned verdicts only, not
+    raised exceptions, so a `ComparisonTimeout` is never cached."""
     return _HELPER.compare(gold, predicted, timeout_s)
 
 
@@ -220,7 +231,8 @@ class _MathVerifyHelper:
         self.restarts = 0  # how many helpers were killed for passing a deadline (for tests and logs)
 
     def compare(self, gold: str, predicted: str, timeout_s: float) -> bool | None:
-        """True/False from math-verify; None when it could not parse, timed out, or the helper died."""
+        """True/False from math-verify; None when it could not parse. Raises `ComparisonTimeout` when math-verify's
+        own timeout or the hard deadline passed, or the helper died."""
         request = json.dumps({"gold": gold, "predicted": predicted, "inner_timeout_s": max(1, int(timeout_s / 3))})
         with self._lock:
             proc = self._ensure_started()
@@ -235,8 +247,11 @@ class _MathVerifyHelper:
                 logger.warning("math-verify comparison passed its %.1f s deadline; restarting the helper", timeout_s)
                 self._stop()
                 self.restarts += 1
-                return None
-            return json.loads(line)["equal"]
+                raise ComparisonTimeout(f"no verdict within the {timeout_s:.1f} s deadline")
+        reply = json.loads(line)
+        if reply["timed_out"]:
+            raise ComparisonTimeout("math-verify's own timeout passed")
+        return reply["equal"]
 
     def _ensure_started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
@@ -301,24 +316,51 @@ def shutdown() -> None:
 
 
 def _serve_math_verify() -> None:
-    """The helper's main loop: read {"gold", "predicted", "inner_timeout_s"} lines, answer {"equal": ...}."""
+    """The helper's main loop: read {"gold", "predicted", "inner_timeout_s"} lines, answer with
+    `_verify_request`'s {"equal", "timed_out"} (one line each)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from math_verify import parse, verify
-    from math_verify.errors import TimeoutException
+    import math_verify  # noqa: F401  (imported before "ready": the first request should not pay for it)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every timeout
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     for line in sys.stdin:
-        request = json.loads(line)
-        timeout = request["inner_timeout_s"]
-        try:
-            gold = parse("\\boxed{" + request["gold"] + "}", parsing_timeout=timeout)
-            predicted = parse("\\boxed{" + request["predicted"] + "}", parsing_timeout=timeout)
-            equal = bool(verify(gold, predicted, timeout_seconds=timeout)) if gold and predicted else None
-        except (Exception, TimeoutException):
-            equal = None
-        sys.stdout.write(json.dumps({"equal": equal}) + "\n")
+        sys.stdout.write(json.dumps(_verify_request(json.loads(line))) + "\n")
         sys.stdout.flush()
+
+
+def _verify_request(request: dict) -> dict:
+    """{"equal": True/False, or None when an answer does not parse; "timed_out": whether math-verify's own
+    signal timeout passed}. Must run in a main thread (math-verify times out with `signal.alarm`).
+
+    math-verify's `raise_on_error=False` reports a timeout as "not equal", which would then be cached as a
+    verdict; so errors are raised and sorted here: a timeout anywhere means no verdict, any other error in
+    one (gold, predicted) pair of candidate parses makes that pair unequal (as math-verify's own `verify` does).
+    """
+    import itertools
+
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException  # a BaseException, so `except Exception` misses it
+
+    timeout = request["inner_timeout_s"]
+    try:
+        gold = parse("\\boxed{" + request["gold"] + "}", parsing_timeout=timeout, raise_on_error=True)
+        predicted = parse("\\boxed{" + request["predicted"] + "}", parsing_timeout=timeout, raise_on_error=True)
+    except TimeoutException:
+        return {"equal": None, "timed_out": True}
+    except Exception:
+        return {"equal": None, "timed_out": False}
+    if not gold or not predicted:
+        return {"equal": None, "timed_out": False}
+    timed_out = False
+    for gold_parse, predicted_parse in itertools.product(gold, predicted):
+        try:
+            if verify(gold_parse, predicted_parse, timeout_seconds=timeout, raise_on_error=True):
+                return {"equal": True, "timed_out": False}
+        except TimeoutException:
+            timed_out = True
+        except Exception:
+            continue
+    return {"equal": None if timed_out else False, "timed_out": timed_out}
