@@ -91,12 +91,16 @@ class Session:
             wanted["scorer"] = self.config.scorer.runtime
         if isinstance(self.config.target, RuntimeConfig):
             wanted["target"] = self.config.target
-        # FastTTS: the generator's scheduler policy and priority scheduling, the KV split with the scorer.
+        # FastTTS: the generator's scheduler policy and priority scheduling, one KV split of the scorer and target
+        # runtimes with the generator's. RSD decodes one path per problem, so its step holds `concurrency` paths.
+        paths = self.config.concurrency if self.config.search.program == "rsd" else None
         self.fasttts = configure_runtimes(self.config.fasttts, self.config.search, wanted["generator"],
-                                          wanted.get("scorer"))
+                                          wanted.get("scorer"), wanted.get("target"), paths)
         wanted["generator"] = self.fasttts.generator
         if self.fasttts.verifier is not None:
             wanted["scorer"] = self.fasttts.verifier
+        if self.fasttts.target is not None:
+            wanted["target"] = self.fasttts.target
         wanted = share_cpu_cores(wanted)
         # Start all processes first, then wait: start-ups overlap.
         for name, runtime_config in wanted.items():
