@@ -119,7 +119,8 @@ def gpu_runtime(model, **fields):
 def test_m_on_gpu_without_a_budget_takes_the_device_memory_and_logs_it(monkeypatch, caplog):
     monkeypatch.setattr(hardware, "cuda_device_name", lambda: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(hardware, "probe_this_machine", lambda seconds=0.5: pytest.fail("probed the host"))
-    gen, ver = gpu_runtime("qwen2.5-math-1.5b"), gpu_runtime("skywork-prm-1.5b")
+    # Hub ids, as a GPU run config names them (eval/configs/gpu-aime-amc.yaml): planned from the built-in configs.
+    gen, ver = gpu_runtime("Qwen/Qwen2.5-Math-1.5B-Instruct"), gpu_runtime("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B")
     with caplog.at_level(logging.WARNING):
         settings = configure_runtimes(from_label("M"), SEARCH, gen, ver)
     hw = HARDWARE["rtx4090"]

@@ -2,6 +2,7 @@
 and the `plan memory` command."""
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -36,6 +37,13 @@ def test_kv_bytes_per_token_by_hand(tmp_path):
     assert load_model_spec(str(tmp_path)).kv_bytes_per_token == 2 * 30 * 3 * 80 * 2
     # Qwen2.5-Math-7B: 28 layers, 4 KV heads, head dim 3584/28 = 128.
     assert load_model_spec("qwen2.5-math-7b").kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+
+
+def test_hub_ids_of_built_in_models_need_no_download():
+    assert load_model_spec("Qwen/Qwen2.5-Math-7B-Instruct") == dataclasses.replace(
+        load_model_spec("qwen2.5-math-7b"), name="Qwen/Qwen2.5-Math-7B-Instruct")
+    with pytest.raises(KeyError, match="built-in"):
+        load_model_spec("./no/such/folder")
 
 
 def test_parameter_count_is_close_to_the_published_size():

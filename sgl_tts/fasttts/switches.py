@@ -27,7 +27,7 @@ from policies.plugin import ENV_POLICY
 from sgl_tts.runtime.hardware import GIB, KNOWN_HARDWARE, Hardware, plan_hardware
 from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, MemoryPlan, kv_budget, plan_memory,
                                          start_order_safe_fractions)
-from sgl_tts.runtime.roofline import BUILTIN_CONFIGS, DTYPE_BYTES, ModelSpec, Workload, load_model_spec
+from sgl_tts.runtime.roofline import BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, ModelSpec, Workload, load_model_spec
 from sgl_tts.config import ConfigError
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import Path, SearchConfig, SearchTracker, expand
@@ -154,7 +154,8 @@ def model_spec_for(config: RuntimeConfig) -> ModelSpec:
         dtype = config.dtype if config.dtype in DTYPE_BYTES else None
     else:
         dtype = "float32" if config.device == "cpu" else None
-    source = config.model if config.model in BUILTIN_CONFIGS else resolve_model(config.model)
+    known = config.model in BUILTIN_CONFIGS or config.model in HUB_IDS
+    source = config.model if known else resolve_model(config.model)
     return load_model_spec(source, dtype)
 
 

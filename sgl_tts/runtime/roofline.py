@@ -94,7 +94,7 @@ def model_spec_from_config(config: Mapping[str, Any], name: str = "model", dtype
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     inter, vocab = need("intermediate_size"), need("vocab_size")
-    dtype = dtype or config.get("torch_dtype") or "bfloat16"
+    dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise KeyError(f"{name}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     archs = config.get("architectures") or []
@@ -107,17 +107,42 @@ def model_spec_from_config(config: Mapping[str, Any], name: str = "model", dtype
                      float(layers * per_layer + head), DTYPE_BYTES[dtype])
 
 
+# Hub ids whose config.json is a built-in one (base and instruct variants share the shapes): a GPU run config
+# naming the hub id plans without fetching anything.
+HUB_IDS: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
+    "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-Math-7B-Instruct": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-Math-PRM-7B": "qwen2.5-math-prm-7b",
+    "Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B": "skywork-prm-1.5b",
+    "peiyi9979/math-shepherd-mistral-7b-prm": "math-shepherd-mistral-7b-prm",
+}
+
+
 def load_model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
-    """A built-in model name, a config.json path, or a model folder holding config.json."""
-    if name_or_path in BUILTIN_CONFIGS:
-        return model_spec_from_config(BUILTIN_CONFIGS[name_or_path], name_or_path, dtype)
+    """A built-in model name or its hub id (`HUB_IDS`), a config.json path, a model folder holding config.json,
+    or another hub id (its config read through transformers: the local cache, or the hub when online)."""
+    builtin = HUB_IDS.get(name_or_path, name_or_path)
+    if builtin in BUILTIN_CONFIGS:
+        return model_spec_from_config(BUILTIN_CONFIGS[builtin], name_or_path, dtype)
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise KeyError(f"model {name_or_path!r} is neither a config.json path nor a built-in: "
-                       f"{', '.join(BUILTIN_CONFIGS)}")
-    return model_spec_from_config(json.loads(path.read_text()), name_or_path, dtype)
+    if path.is_file():
+        return model_spec_from_config(json.loads(path.read_text()), name_or_path, dtype)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(name_or_path).to_dict()
+        except (OSError, ValueError) as exc:
+            raise KeyError(f"model {name_or_path!r}: not a built-in config and its config.json could not be "
+                           f"read ({exc}); give a local model folder or config.json path") from None
+        return model_spec_from_config(config, name_or_path, dtype)
+    raise KeyError(f"model {name_or_path!r} is neither a config.json path, a hub id nor a built-in: "
+                   f"{', '.join(BUILTIN_CONFIGS)}")
 
 
 def _roofline_terms(model: ModelSpec, hw: Hardware, tokens: float, attended: float,
