@@ -212,20 +212,7 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"fasttts.hardware: {exc.args[0]}") from None
 
-    if fast.kv_budget_mib is not None:
-        budget, source = fast.kv_budget_mib * MIB, f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)"
-    elif all(config.max_total_tokens for config in runtimes.values()):
-        budget = float(sum(runtimes[r].max_total_tokens * specs[r].kv_bytes_per_token for r in runtimes))
-        source = "the runtimes' max_total_tokens, pooled"
-    else:
-        assert hardware is not None, "M is on here, so the hardware was resolved"
-        weights = sum(m.weight_bytes for m in specs.values())
-        budget = kv_budget(hardware, *specs.values())
-        source = (f"{hardware.name}'s memory: {DEVICE_UTILIZATION:.0%} of {hardware.mem_bytes / GIB:.1f} GiB "
-                  f"minus {weights / GIB:.2f} GiB of weights")
-        logger.warning("fasttts M: no kv_budget_mib and not every runtime has max_total_tokens, so the plan "
-                       "takes %s = %.2f GiB of KV", source, budget / GIB)
-
+    budget, source = _kv_budget(fast, runtimes, specs, hardware)
     plan = None
     if fast.memory_plan:
         # The scorer on the generator's runtime: plan a verifier of the generator's model, the runtime holds both.
@@ -261,6 +248,25 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
         for role, config in runtimes.items()}
     return RuntimeSettings(configured["generator"], configured.get("verifier"), split, plan,
                            configured.get("target"), source)
+
+
+def _kv_budget(fast: FastTTSConfig, runtimes: dict[str, RuntimeConfig], specs: dict[str, ModelSpec],
+               hardware: Hardware | None) -> tuple[float, str]:
+    """The KV bytes all runtimes share and where that figure came from: `kv_budget_mib`; else the runtimes'
+    configured `max_total_tokens`, pooled; else (M on) the device's memory after all weights, logged."""
+    if fast.kv_budget_mib is not None:
+        return fast.kv_budget_mib * MIB, f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)"
+    if all(config.max_total_tokens for config in runtimes.values()):
+        pooled = sum(runtimes[role].max_total_tokens * specs[role].kv_bytes_per_token for role in runtimes)
+        return float(pooled), "the runtimes' max_total_tokens, pooled"
+    assert hardware is not None, "without a configured budget the split is M's, and M resolved the hardware"
+    weights = sum(m.weight_bytes for m in specs.values())
+    budget = kv_budget(hardware, *specs.values())
+    source = (f"{hardware.name}'s memory: {DEVICE_UTILIZATION:.0%} of {hardware.mem_bytes / GIB:.1f} GiB "
+              f"minus {weights / GIB:.2f} GiB of weights")
+    logger.warning("fasttts M: no kv_budget_mib and not every runtime has max_total_tokens, so the plan takes "
+                   "%s = %.2f GiB of KV", source, budget / GIB)
+    return budget, source
 
 
 def _tokens(kv_bytes: float, spec: ModelSpec, role: str, floor: int) -> int:
