@@ -12,7 +12,8 @@ from sgl_tts.config import ConfigError, load_dataclass
 from sgl_tts.fasttts.switches import (MIB, PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label,
                              longest_request_tokens, model_spec_for, plan_workload)
 from sgl_tts.search.programs import load_program
-from sgl_tts.runtime.roofline import HARDWARE, plan_memory
+from sgl_tts.runtime.hardware import HARDWARE
+from sgl_tts.runtime.memory_plan import plan_memory
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.app.session import RunConfig
@@ -52,7 +53,7 @@ def test_baseline_is_fcfs_without_priorities_and_a_50_50_split():
     fast = FastTTSConfig(kv_budget_mib=200)
     settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
     half_tokens = int(200 * MIB / 2 // KV_FP32)
-    assert settings.split == "static 50/50"
+    assert settings.split == "static"
     assert settings.generator.max_total_tokens == settings.verifier.max_total_tokens == half_tokens
     assert settings.generator.env[ENV_POLICY] == "fcfs"
     assert PRIORITY_FLAG not in settings.generator.extra_args
@@ -70,21 +71,25 @@ def test_p_sets_the_plugin_policy_and_s_enables_priority_scheduling():
     assert again.generator.env[ENV_POLICY] == "fcfs", "P off resets the policy to the baseline"
 
 
-def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_the_verifier():
+def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_every_runtime():
     fast = from_label("P+M", kv_budget_mib=300, hardware="rtx4090")
     settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
     spec = model_spec_for(SMOL)
     assert spec.kv_bytes_per_token == KV_FP32
-    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], plan_workload(fast, SEARCH), 300 * MIB)
     floor = longest_request_tokens(fast, SEARCH)
-    expected_verifier = max(plan.shared.b_pre * plan.workload.seq_len, floor)
+    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], plan_workload(fast, SEARCH), 300 * MIB, min_tokens=floor)
     assert settings.split == "roofline" and settings.plan.shared == plan.shared
-    assert settings.verifier.max_total_tokens == expected_verifier
-    assert settings.generator.max_total_tokens == int((300 * MIB - expected_verifier * KV_FP32) // KV_FP32)
+    assert settings.verifier.max_total_tokens == plan.verifier.max_total_tokens >= floor
+    assert settings.generator.max_total_tokens == plan.generator.max_total_tokens >= floor
     total = (settings.generator.max_total_tokens + settings.verifier.max_total_tokens) * KV_FP32
-    assert 300 * MIB - KV_FP32 < total <= 300 * MIB, "the whole budget is handed out"
-    static = configure_runtimes(dataclasses.replace(fast, memory_plan=False), SEARCH, SMOL, SMOL)
-    assert settings.generator.max_total_tokens > static.generator.max_total_tokens, "M favours the generator"
+    assert 300 * MIB - 2 * KV_FP32 < total <= 300 * MIB, "the whole budget is handed out"
+    assert settings.generator.mem_fraction_static is None, "CPU runtimes get no GPU memory fraction"
+    # 40 MiB hold 910 tokens: the plan is B_pre = 1, B_dec = 2 (272-token sequences); the verifier's share
+    # (1/3) is below the longest request, so it gets exactly that and the generator the rest.
+    tight = configure_runtimes(dataclasses.replace(fast, kv_budget_mib=40), SEARCH, SMOL, SMOL)
+    assert (tight.plan.shared.b_pre, tight.plan.shared.b_dec) == (1, 2)
+    assert tight.verifier.max_total_tokens == floor == 368
+    assert tight.generator.max_total_tokens == int((40 * MIB - floor * KV_FP32) // KV_FP32)
 
 
 def test_m_without_a_budget_pools_the_configured_budgets():
@@ -98,7 +103,7 @@ def test_m_without_a_budget_pools_the_configured_budgets():
 def test_a_shared_runtime_gets_the_whole_budget_and_too_small_budgets_are_refused():
     settings = configure_runtimes(FastTTSConfig(kv_budget_mib=50), SEARCH, SMOL, None)
     assert settings.verifier is None and settings.generator.max_total_tokens == int(50 * MIB // KV_FP32)
-    with pytest.raises(ConfigError, match=r"kv_budget_mib.*verifier.*longest request"):
+    with pytest.raises(ConfigError, match=r"kv_budget_mib.*(generator|verifier).*longest request"):
         configure_runtimes(FastTTSConfig(kv_budget_mib=20), SEARCH, SMOL, SMOL)
 
 
@@ -160,7 +165,8 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
     monkeypatch.setattr("sgl_tts.frontend.backend.TTSEndpoint", FakeEndpoint)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: None)
     base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH)
-    arm = lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=100, hardware="rtx4090"))
+    # 40 MiB: a budget tight enough that M's split differs from the static one (test_m_splits_the_budget_...)
+    arm = lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=40, hardware="rtx4090"))
 
     first = Session(arm("baseline"))
     assert [r.name for r in started] == ["generator", "scorer"]

@@ -1,7 +1,8 @@
-"""Roofline memory planner: hand arithmetic, brute force over all (B_pre, B_dec) pairs, offloading,
+"""Roofline memory planner: hand arithmetic, brute force over all (B_pre, B_dec[, B_tgt]) choices, offloading,
 and the `plan memory` command."""
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -14,17 +15,15 @@ from sgl_tts.runtime.roofline import (
     ModelSpec,
     Workload,
     StepCosts,
-    add_plan_memory_parser,
-    bench_planner,
     decode_step_time,
     load_model_spec,
     model_spec_from_config,
-    plan_memory,
     prefill_time,
     probe_this_machine,
     search_offload,
     search_shared,
 )
+from sgl_tts.runtime.memory_plan import add_plan_memory_parser, bench_planner, plan_memory
 
 SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
            "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
@@ -38,6 +37,13 @@ def test_kv_bytes_per_token_by_hand(tmp_path):
     assert load_model_spec(str(tmp_path)).kv_bytes_per_token == 2 * 30 * 3 * 80 * 2
     # Qwen2.5-Math-7B: 28 layers, 4 KV heads, head dim 3584/28 = 128.
     assert load_model_spec("qwen2.5-math-7b").kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+
+
+def test_hub_ids_of_built_in_models_need_no_download():
+    assert load_model_spec("Qwen/Qwen2.5-Math-7B-Instruct") == dataclasses.replace(
+        load_model_spec("qwen2.5-math-7b"), name="Qwen/Qwen2.5-Math-7B-Instruct")
+    with pytest.raises(KeyError, match="built-in"):
+        load_model_spec("./no/such/folder")
 
 
 def test_parameter_count_is_close_to_the_published_size():
@@ -86,39 +92,48 @@ def test_tiny_case_by_hand():
 
 
 def brute_force(costs, budget):
-    """All (B_pre, B_dec) pairs within the budget; the fastest, ties to the larger B_dec."""
-    n, best = costs.work.n, None
-    for b_pre in range(1, n + 1):
-        for b_dec in range(1, n + 1):
-            if b_pre * costs.kv_ver_seq + b_dec * costs.kv_gen_seq > budget:
-                continue
-            t = costs.verify[b_pre] + costs.generate[b_dec]
-            if best is None or t < best[2] * (1 - 1e-12) or (t <= best[2] * (1 + 1e-12) and b_dec > best[1]):
-                best = (b_pre, b_dec, t)
-    return best
+    """Every (B_pre, B_dec, B_tgt) within the budget (B_tgt = 0 without a target or with nothing for it to
+    rewrite); the fastest, ties to the larger B_dec, then B_pre, then B_tgt. Returns (B_pre, B_dec, T, B_tgt)."""
+    n, n_tgt = costs.work.n, costs.work.target_n
+    targets = range(1, n_tgt + 1) if costs.has_target and n_tgt else [0]
+    triples = [(b_pre, b_dec, b_tgt) for b_pre in range(1, n + 1) for b_dec in range(1, n + 1) for b_tgt in targets
+               if b_pre * costs.kv_ver_seq + b_dec * costs.kv_gen_seq + b_tgt * costs.kv_tgt_seq <= budget]
+    if not triples:
+        return None
+    time_of = {t: costs.verify[t[0]] + costs.generate[t[1]] + costs.target[t[2]] for t in triples}
+    fastest = min(time_of.values())
+    b_pre, b_dec, b_tgt = max((t for t in triples if time_of[t] <= fastest * (1 + 1e-12)),
+                              key=lambda t: (t[1], t[0], t[2]))
+    return b_pre, b_dec, time_of[b_pre, b_dec, b_tgt], b_tgt
 
 
-def random_case(rng):
+def random_spec(rng, name):
+    return ModelSpec(name, rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
+
+
+def random_case(rng, with_target=False):
     hw = Hardware("r", rng.choice([1e3, 1e5, 1e30]), rng.choice([1.0, 10.0, 100.0]), 1e12, 1.0)
-    gen = ModelSpec("g", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
-    ver = ModelSpec("v", rng.randint(1, 3), 2, rng.randint(1, 2), 2, rng.uniform(1, 500), rng.uniform(0, 1e4), 1)
-    work = Workload(rng.randint(1, 14), rng.randint(0, 6), rng.randint(1, 6))
-    costs = StepCosts(gen, ver, hw, work)
-    per_pair = costs.kv_ver_seq + costs.kv_gen_seq
-    return costs, rng.uniform(0.5, work.n * 1.5) * per_pair
+    target = random_spec(rng, "t") if with_target else None
+    share = rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()]) if with_target else 0.0
+    work = Workload(rng.randint(1, 14), rng.randint(0, 6), rng.randint(1, 6), share)
+    costs = StepCosts(random_spec(rng, "g"), random_spec(rng, "v"), hw, work, target)
+    per_set = costs.kv_ver_seq + costs.kv_gen_seq + costs.kv_tgt_seq
+    return costs, rng.uniform(0.5, work.n * 1.5) * per_set
 
 
-def test_search_matches_brute_force_and_respects_the_budget():
+@pytest.mark.parametrize("with_target", [False, True])
+def test_search_matches_brute_force_and_respects_the_budget(with_target):
     rng = random.Random(0)
     for _ in range(300):
-        costs, budget = random_case(rng)
+        costs, budget = random_case(rng, with_target)
         found, expected = search_shared(costs, budget), brute_force(costs, budget)
         if expected is None:
             assert found is None
             continue
-        assert (found.b_pre, found.b_dec) == expected[:2]
+        assert (found.b_pre, found.b_dec, found.b_tgt) == (expected[0], expected[1], expected[3])
         assert found.t_total == pytest.approx(expected[2])
-        assert found.b_pre * costs.kv_ver_seq + found.b_dec * costs.kv_gen_seq <= budget
+        used = found.b_pre * costs.kv_ver_seq + found.b_dec * costs.kv_gen_seq + found.b_tgt * costs.kv_tgt_seq
+        assert used <= budget
 
 
 def test_ties_go_to_the_larger_decode_batch():
@@ -128,6 +143,19 @@ def test_ties_go_to_the_larger_decode_batch():
     assert costs.verify[1] == costs.verify[2] and costs.generate[1] == costs.generate[2]
     best = search_shared(costs, 12)
     assert (best.b_pre, best.b_dec) == (1, 2)
+    # With room for (2, 2): (1,1), (1,2), (2,1), (2,2) all tie; the larger B_dec first, then the larger B_pre.
+    best = search_shared(costs, 16)
+    assert (best.b_pre, best.b_dec) == (2, 2) == brute_force(costs, 16)[:2]
+
+
+def test_a_compute_bound_verifier_gets_the_whole_batch_at_the_same_time():
+    # The planner used to pick B_pre = 1 here (prefill is compute-bound, so T_tot does not change with B_pre)
+    # and left the verifier 384 tokens of KV, one path's worth.
+    gen, ver = load_model_spec("qwen2.5-math-1.5b"), load_model_spec("skywork-prm-1.5b")
+    plan = plan_memory(gen, ver, HARDWARE["rtx4090"], Workload(16, 256, 128))
+    assert (plan.shared.b_pre, plan.shared.b_dec) == (16, 16)
+    assert plan.shared.t_total == pytest.approx(plan.static.t_total)
+    assert plan.verifier.max_total_tokens >= 16 * 384 and plan.generator.max_total_tokens >= 16 * 384
 
 
 def test_a_smaller_decode_batch_can_win():
@@ -144,9 +172,10 @@ def test_offload_wins_when_memory_is_tiny_and_the_link_fast():
     gen, ver = toy_model(), toy_model()
     work = Workload(8, 0, 2)
     fast = Hardware("fast-link", 1e30, 1.0, 1e9, link_bandwidth=1e9)
-    # M = 6 bytes holds one 4-byte sequence, not one per model: only offloading is feasible.
+    # M = 6 bytes holds one 4-byte sequence, not one per model: only offloading is feasible, and co-located
+    # runtimes get no budgets.
     plan = plan_memory(gen, ver, fast, work, budget=6)
-    assert plan.shared is None and plan.chosen.mode == "offload"
+    assert plan.shared is None and plan.chosen.mode == "offload" and plan.budgets == {}
     # M = 32: shared can run (4, 4) at most; offloaded, each model runs all 8 at once.
     plan = plan_memory(gen, ver, fast, work, budget=32)
     assert plan.chosen.mode == "offload" and (plan.chosen.b_pre, plan.chosen.b_dec) == (8, 8)
@@ -169,6 +198,7 @@ def test_offload_search_takes_each_models_best_within_the_whole_budget():
             continue
         assert costs.verify[found.b_pre] == pytest.approx(min(costs.verify[b] for b in pres))
         assert costs.generate[found.b_dec] == pytest.approx(min(costs.generate[b] for b in decs))
+        assert found.b_pre == max(b for b in pres if costs.verify[b] <= costs.verify[found.b_pre] * (1 + 1e-12))
 
 
 def test_plan_budgets_for_the_runtimes():
@@ -176,11 +206,12 @@ def test_plan_budgets_for_the_runtimes():
     plan = plan_memory(gen, ver, HARDWARE["rtx4090"], Workload(64, 512, 256), budget=2 * roofline.GIB)
     assert plan.chosen.mode == "shared"
     used = plan.generator.kv_bytes + plan.verifier.kv_bytes
-    assert used <= plan.kv_budget
+    assert plan.kv_budget - gen.kv_bytes_per_token - ver.kv_bytes_per_token < used <= plan.kv_budget
     assert plan.verifier.max_total_tokens >= plan.chosen.b_pre * 768
     assert plan.generator.max_total_tokens >= plan.chosen.b_dec * 768
-    assert plan.generator.mem_fraction == pytest.approx(
-        (gen.weight_bytes + plan.generator.kv_bytes) / HARDWARE["rtx4090"].mem_bytes)
+    # What the batches leave is shared in proportion to the planned KV (equal models: the batch ratio).
+    ratio = plan.generator.max_total_tokens / plan.verifier.max_total_tokens
+    assert ratio == pytest.approx(plan.chosen.b_dec / plan.chosen.b_pre, rel=1e-3)
     assert plan.static is not None and plan.chosen.t_total <= plan.static.t_total * (1 + 1e-12)
 
 
@@ -216,7 +247,13 @@ def test_plan_memory_command(capsys):
                               "--verifier-config", "skywork-prm-1.5b", "--n", "32", "--memory-gb", "1"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "--max-total-tokens" in out and "chosen" in out
+    assert "--max-total-tokens" in out and "--mem-fraction-static" in out and "roofline projections" in out
+    args = parser.parse_args(["memory", "--hardware", "h200", "--generator-config", "qwen2.5-math-1.5b",
+                              "--verifier-config", "skywork-prm-1.5b", "--target-config", "qwen2.5-math-7b"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "B_tgt=" in out and [line.split()[0] for line in out.splitlines() if "--max-total-tokens" in line] == \
+        ["generator", "verifier", "target"]
     args = parser.parse_args(["memory", "--hardware", "a100"])
     assert args.func(args) == 2
     assert "unknown hardware" in capsys.readouterr().out

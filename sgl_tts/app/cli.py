@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.rsd.specdec import add_plan_spec_parser
 
     add_plan_spec_parser(plan_commands)
-    from sgl_tts.runtime.roofline import add_plan_memory_parser
+    from sgl_tts.runtime.memory_plan import add_plan_memory_parser
 
     add_plan_memory_parser(plan_commands)
 

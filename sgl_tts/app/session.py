@@ -78,10 +78,16 @@ def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
         wanted["scorer"] = config.scorer.runtime
     if isinstance(config.target, RuntimeConfig):
         wanted["target"] = config.target
-    settings = configure_runtimes(config.fasttts, config.search, wanted["generator"], wanted.get("scorer"))
+    # One KV split of the scorer and target runtimes with the generator's. RSD decodes one path per problem,
+    # so its step holds `concurrency` paths.
+    paths = config.concurrency if config.search.program == "rsd" else None
+    settings = configure_runtimes(config.fasttts, config.search, wanted["generator"], wanted.get("scorer"),
+                                  wanted.get("target"), paths)
     wanted["generator"] = settings.generator
     if settings.verifier is not None:
         wanted["scorer"] = settings.verifier
+    if settings.target is not None:
+        wanted["target"] = settings.target
     return settings, share_cpu_cores(wanted)
 
 

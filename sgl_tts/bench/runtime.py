@@ -1,23 +1,70 @@
-"""`sgl-tts bench runtime`: SGLang CPU runtime vs Hugging Face `generate`, measured side by side.
+"""`sgl-tts bench runtime`: SGLang CPU runtime settings vs Hugging Face `generate`, measured side by side.
 
-Both engines decode the same prompts with the same model, greedily, for the same number of new tokens
-(end of sequence ignored), at 1, 16 and 64 requests in parallel; the table prints output tokens per second
-and their ratio. Then a fork of 16 from one prompt reports the fraction of prompt tokens served from the
-radix cache.
+Every engine decodes the same prompts with the same model, greedily, for the same number of new tokens (end
+of sequence ignored), at each parallel request count. Arms are SGLang runtimes that differ in server
+arguments (`--arm NAME=ARGS`, e.g. `--arm "steps4=--num-continuous-decode-steps 4"`; leading `VAR=value` words
+set the runtime's environment, as in a shell line: `--arm "t1=OMP_NUM_THREADS=1"`) plus HF `generate` as the
+reference. All SGLang arms are started together and idle (`--sleep-on-idle`) while another arm runs; the arms
+run one at a time, interleaved round by round, and the table prints each arm's median tokens/s with its
+min-max over the rounds and the median of its per-round ratios to HF. Then a fork of 16 from one prompt on
+the first arm reports the fraction of prompt tokens served from the radix cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import re
+import shlex
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 from sgl_tts.runtime.server import http_json
 
+HF_ARM = "hf"
+
+
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One SGLang runtime setting: a name, environment variables, and launch_server arguments added to the CPU
+    defaults (later flags override earlier ones)."""
+
+    name: str
+    server_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        words = [f"{key}={value}" for key, value in self.env] + list(self.server_args)
+        return shlex.join(words) or "(CPU defaults)"
+
+
+def parse_arm(text: str) -> Arm:
+    """`NAME=ARGS`: ARGS split like a shell line, leading VAR=value words as environment (may be empty: the
+    defaults)."""
+    name, sep, args = text.partition("=")
+    name = name.strip()
+    if not sep or name == HF_ARM or not re.fullmatch(r"[\w.+-]+", name):
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME=ARGS with a NAME (letters, digits, ._+-) "
+                                         f"other than {HF_ARM!r}, e.g. 'steps4=--num-continuous-decode-steps 4' "
+                                         f"or 'default='")
+    words = shlex.split(args)
+    env = []
+    while words and _ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env.append((key, value))
+    return Arm(name, tuple(words), tuple(env))
+
 
 def _prompts(tokenizer, count: int) -> list[str]:
-    from sgl_tts.problems import builtin_problems
     from sgl_tts.frontend.backend import chat_prompt
+    from sgl_tts.problems import builtin_problems
 
     questions = [p.question for p in builtin_problems()]
     return [chat_prompt(tokenizer, questions[i % len(questions)] + f" (variant {i})") for i in range(count)]
@@ -75,49 +122,118 @@ def fork_cache_fraction(runtime, prompt: str, width: int = 16, new_tokens: int =
     return sum(m.get("cached_tokens", 0) for m in metas) / prompt_tokens
 
 
+def interleaved(measures: dict[str, Callable[[int], float]], parallel: list[int], repeats: int,
+                on_sample: Callable[[int, str, int, float], None] | None = None) -> dict[tuple[str, int], list[float]]:
+    """Run every (arm, parallel) measure `repeats` times, round by round: each round runs every arm once per
+    parallel count, arms in turn (their order rotates by one each round, so no arm always runs first).
+    Returns the samples of each (arm, parallel) in round order."""
+    samples: dict[tuple[str, int], list[float]] = {(arm, p): [] for arm in measures for p in parallel}
+    names = list(measures)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for p in parallel:
+            for arm in names[shift:] + names[:shift]:
+                value = measures[arm](p)
+                samples[arm, p].append(value)
+                if on_sample is not None:
+                    on_sample(round_index, arm, p, value)
+    return samples
+
+
+def spread(values: list[float]) -> str:
+    """'median [min-max]'."""
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def summary_rows(samples: dict[tuple[str, int], list[float]], reference: str) -> list[tuple[int, str, str, str]]:
+    """(parallel, arm, tok/s median [min-max], ratio to `reference`: median [min-max] of per-round ratios)."""
+    rows = []
+    for (arm, p), values in samples.items():
+        ref = samples.get((reference, p))
+        if ref is None or arm == reference:
+            ratio = "-"
+        else:
+            ratios = [a / b for a, b in zip(values, ref)]
+            ratio = f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+        rows.append((p, arm, spread(values), ratio))
+    return sorted(rows, key=lambda row: row[0])
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeStartError
 
-    config = RuntimeConfig(model=args.model, device="cpu", cpu_threads=args.threads,
-                           chunked_prefill_size=args.chunked_prefill_size,
-                           max_running_requests=args.max_running_requests, extra_args=list(args.server_arg or []))
     parallel = [int(p) for p in args.parallel.split(",")]
+    arms = args.arm or [Arm("default", ())]
+    if len({arm.name for arm in arms}) != len(arms):
+        raise SystemExit(f"bench runtime: arm names must differ, got {[arm.name for arm in arms]}")
+    base = RuntimeConfig(model=args.model, device="cpu", cpu_threads=args.threads,
+                         max_total_tokens=args.max_total_tokens)
     print(f"bench runtime: model={args.model} new_tokens={args.new_tokens} parallel={parallel} "
-          f"torch threads={torch.get_num_threads()}", flush=True)
-    sglang_rates, hf_rates = {}, {}
-    with Runtime.start(config, name="bench") as runtime:
-        tokenizer = AutoTokenizer.from_pretrained(runtime.model_path)
+          f"repeats={args.repeats} arms={[arm.name for arm in arms]} + {HF_ARM}; {_load()}", flush=True)
+    runtimes: dict[str, Runtime] = {}
+    try:
+        for arm in arms:  # start every process first, then wait: start-ups overlap
+            config = dataclasses.replace(base, extra_args=list(arm.server_args), env=dict(arm.env))
+            runtimes[arm.name] = Runtime.start(config, name=f"bench-{arm.name}", wait=False)
+        for name, runtime in list(runtimes.items()):
+            try:
+                runtime.wait_ready()
+            except RuntimeStartError as exc:  # a setting SGLang refuses is a result too; the other arms go on
+                print(f"  arm {name} did not start: {str(exc).splitlines()[-1]}", flush=True)
+                del runtimes[name]
+        if not runtimes:
+            print("bench runtime: no arm started")
+            return 1
+        arms = [arm for arm in arms if arm.name in runtimes]
+        first = runtimes[arms[0].name]
+        tokenizer = AutoTokenizer.from_pretrained(first.model_path)
         prompts = _prompts(tokenizer, max(parallel))
-        sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
-        for p in parallel:
-            sglang_rates[p] = sglang_tokens_per_s(runtime.url, prompts[:p], args.new_tokens)
-            print(f"  sglang x{p}: {sglang_rates[p]:.1f} tok/s", flush=True)
-        cache_fraction = fork_cache_fraction(runtime, prompts[0])
-    # The server is stopped before HF runs, so the two never share the cores.
-    model = AutoModelForCausalLM.from_pretrained(runtime.model_path, dtype=torch.float32)
-    model.eval()
-    hf_tokens_per_s(model, tokenizer, prompts[:1], 4)  # warm-up
-    for p in parallel:
-        hf_rates[p] = hf_tokens_per_s(model, tokenizer, prompts[:p], args.new_tokens)
-        print(f"  hf     x{p}: {hf_rates[p]:.1f} tok/s", flush=True)
+        model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=torch.float32)
+        model.eval()
+        measures: dict[str, Callable[[int], float]] = {}
+        for name, runtime in runtimes.items():
+            sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
+            measures[name] = lambda p, url=runtime.url: sglang_tokens_per_s(url, prompts[:p], args.new_tokens)
+        hf_tokens_per_s(model, tokenizer, prompts[:1], 4)  # warm-up
+        measures[HF_ARM] = lambda p: hf_tokens_per_s(model, tokenizer, prompts[:p], args.new_tokens)
+
+        def show(round_index: int, arm: str, p: int, value: float) -> None:
+            print(f"  round {round_index + 1} {arm:>10s} x{p}: {value:.1f} tok/s", flush=True)
+
+        samples = interleaved(measures, parallel, args.repeats, show)
+        cache_fraction = fork_cache_fraction(first, prompts[0])
+    finally:
+        for runtime in runtimes.values():
+            runtime.stop()
     print()
-    print(f"{'parallel':>8s} {'sglang tok/s':>13s} {'hf tok/s':>9s} {'sglang/hf':>10s}")
-    for p in parallel:
-        print(f"{p:8d} {sglang_rates[p]:13.1f} {hf_rates[p]:9.1f} {sglang_rates[p] / hf_rates[p]:9.2f}x")
-    print(f"fork of 16: {cache_fraction:.0%} of the branches' prompt tokens served from the radix cache")
+    print(f"{'parallel':>8s} {'arm':>10s} {'tok/s median [min-max]':>24s} {'vs hf: median [min-max]':>26s}")
+    for p, arm, rate, ratio in summary_rows(samples, HF_ARM):
+        print(f"{p:8d} {arm:>10s} {rate:>24s} {ratio:>26s}")
+    for arm in arms:
+        print(f"  {arm.name}: {arm.describe()}")
+    print(f"fork of 16 on {arms[0].name}: {cache_fraction:.0%} of the branches' prompt tokens served from the "
+          f"radix cache; {_load()}")
     return 0
 
 
 def add_bench_runtime_parser(bench_subparsers) -> None:
-    parser = bench_subparsers.add_parser("runtime", help="SGLang CPU runtime vs HF generate (tokens/s ratios)")
+    parser = bench_subparsers.add_parser("runtime", help="SGLang CPU runtime settings vs HF generate (tokens/s ratios)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--parallel", default="1,16,64", help="comma-separated request counts")
-    parser.add_argument("--threads", type=int, help="torch threads in the SGLang scheduler process")
-    parser.add_argument("--chunked-prefill-size", type=int)
-    parser.add_argument("--max-running-requests", type=int)
-    parser.add_argument("--server-arg", action="append", help="extra launch_server argument (repeatable)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; every arm runs once per round, interleaved")
+    parser.add_argument("--arm", type=parse_arm, action="append",
+                        help="NAME=ARGS: an SGLang arm with extra launch_server arguments (repeatable; "
+                             "default: one arm 'default' with the CPU defaults)")
+    parser.add_argument("--threads", type=int, help="torch threads in each SGLang scheduler process")
+    parser.add_argument("--max-total-tokens", type=int, default=16384,
+                        help="KV tokens of each SGLang arm (they run side by side in host memory)")
     parser.set_defaults(func=run_bench)

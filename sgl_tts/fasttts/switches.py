@@ -2,11 +2,11 @@
 
 - P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
   (plugin env `SGL_TTS_POLICY=prefix`), reading the lineage tag the backend puts on every request.
-- M `memory_plan`: the KV budget is split between the generator and verifier runtimes by the roofline
-  planner (`sgl_tts.runtime.roofline.plan_memory`, §4.3) instead of 50/50.
+- M `memory_plan`: the KV budget is split between the co-located runtimes (generator, verifier and RSD's
+  target) by the roofline planner (`sgl_tts.runtime.memory_plan.plan_memory`, §4.3) instead of equally.
 - S `speculative`: speculative beam extension (`sgl_tts.fasttts.speculation`, §4.1); the generator runs with
   priority scheduling so that standard requests preempt speculative ones.
-All off is the baseline: FCFS, no speculation, a static 50/50 split of the KV budget.
+All off is the baseline: FCFS, no speculation, a static equal split of the KV budget (50/50 without a target).
 
 `configure_runtimes` turns the switches into runtime settings (the Session starts runtimes with them); the
 Session gives the generator backend S's step extension (`sgl_tts.fasttts.speculation`). Programs never see
@@ -17,15 +17,20 @@ whatever the switches, and `expand` speculates when the backend carries an exten
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from policies import POLICIES
 from policies.plugin import ENV_POLICY
-from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, GIB, HARDWARE, THIS_MACHINE, MemoryPlan, ModelSpec,
-                              Workload, get_hardware, load_model_spec, plan_memory)
+from sgl_tts.runtime.hardware import GIB, KNOWN_HARDWARE, Hardware, plan_hardware
+from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, MemoryPlan, kv_budget, plan_memory,
+                                         start_order_safe_fractions)
+from sgl_tts.runtime.roofline import BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, ModelSpec, Workload, load_model_spec
 from sgl_tts.config import ConfigError
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import SearchConfig
+
+logger = logging.getLogger(__name__)
 
 MIB = 2**20
 PRIORITY_FLAG = "--enable-priority-scheduling"
@@ -48,11 +53,14 @@ class FastTTSConfig:
         no engine limit, only the search's own free slots.
     standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
         first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
-    hardware: roofline profile for M (`sgl_tts.runtime.roofline.HARDWARE` or `this-machine`, probed).
-    kv_budget_mib: KV-cache memory shared by the generator and verifier runtimes. None: without M the
-        runtimes keep their configured `max_total_tokens`; with M the configured budgets of both are
-        pooled and re-split (or, when one is unset, the hardware's default budget is split).
+    hardware: roofline profile for M (`sgl_tts.runtime.hardware.HARDWARE` or `this-machine`, probed). None:
+        from the runtimes' device: on cuda the GPU's profile (by its name), on cpu this machine, probed.
+    kv_budget_mib: KV-cache memory shared by the co-located runtimes (generator, verifier, target). None:
+        without M the runtimes keep their configured `max_total_tokens`; with M the configured budgets are
+        pooled and re-split, or, when one is unset, the device's memory after all weights is split (logged).
     prompt_tokens: expected prompt length in tokens, for the plan's workload and the budget floors.
+    target_share: expected fraction of steps RSD's target rewrites, the target's workload in M's plan (RSD
+        reports 65% of tokens written by the draft alone at its default threshold, hence 0.35).
     seed: seed of the truncation sampler.
     """
 
@@ -66,9 +74,10 @@ class FastTTSConfig:
     engine_batch: int | None = None
     standard_priority: int = 20
     speculative_priority: int = 0
-    hardware: str = THIS_MACHINE
+    hardware: str | None = None
     kv_budget_mib: float | None = None
     prompt_tokens: int = 128
+    target_share: float = 0.35
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,8 +93,11 @@ class FastTTSConfig:
             raise ValueError(f"standard_priority must exceed speculative_priority by more than "
                              f"{PREEMPTION_THRESHOLD} (SGLang's preemption threshold), got "
                              f"{self.standard_priority} and {self.speculative_priority}")
-        if self.hardware not in (*HARDWARE, THIS_MACHINE):
-            raise ValueError(f"unknown hardware {self.hardware!r}; known: {', '.join([*HARDWARE, THIS_MACHINE])}")
+        if self.hardware is not None and self.hardware not in KNOWN_HARDWARE:
+            raise ValueError(f"unknown hardware {self.hardware!r}; known: {', '.join(KNOWN_HARDWARE)} "
+                             f"(or null: from the runtimes' device)")
+        if not 0.0 <= self.target_share <= 1.0:
+            raise ValueError(f"target_share must be in [0, 1], got {self.target_share}")
         if self.kv_budget_mib is not None and self.kv_budget_mib <= 0:
             raise ValueError(f"kv_budget_mib must be positive or null, got {self.kv_budget_mib}")
         if self.prompt_tokens < 1:
@@ -120,12 +132,18 @@ def from_label(label: str, **settings: Any) -> FastTTSConfig:
 
 @dataclass(frozen=True)
 class RuntimeSettings:
-    """The generator and verifier runtime configs with the switches applied, and how KV was split."""
+    """The runtime configs with the switches applied, and how KV was split between them.
+
+    verifier: None when the scorer reads from the generator's runtime; target: RSD's target runtime, if any.
+    budget_source: where the KV budget came from ("" when the runtimes keep their configured budgets).
+    """
 
     generator: RuntimeConfig
     verifier: RuntimeConfig | None
-    split: str  # "as configured", "whole budget", "static 50/50" or "roofline"
+    split: str  # "as configured", "whole budget", "static", or "roofline"
     plan: MemoryPlan | None = None
+    target: RuntimeConfig | None = None
+    budget_source: str = ""
 
 
 def model_spec_for(config: RuntimeConfig) -> ModelSpec:
@@ -136,28 +154,34 @@ def model_spec_for(config: RuntimeConfig) -> ModelSpec:
         dtype = config.dtype if config.dtype in DTYPE_BYTES else None
     else:
         dtype = "float32" if config.device == "cpu" else None
-    source = config.model if config.model in BUILTIN_CONFIGS else resolve_model(config.model)
+    known = config.model in BUILTIN_CONFIGS or config.model in HUB_IDS
+    source = config.model if known else resolve_model(config.model)
     return load_model_spec(source, dtype)
 
 
 def longest_request_tokens(fast: FastTTSConfig, search: SearchConfig) -> int:
-    """Tokens of the longest request either runtime must hold: a whole path plus a LookAhead step."""
+    """Tokens of the longest request any runtime must hold: a whole path plus a LookAhead step."""
     return fast.prompt_tokens + search.max_tokens + search.max_step_tokens
 
 
-def plan_workload(fast: FastTTSConfig, search: SearchConfig) -> Workload:
-    """One search step for the roofline: n beams whose context averages the prompt plus half a path."""
-    return Workload(search.n, fast.prompt_tokens + search.max_tokens // 2, search.max_step_tokens)
+def plan_workload(fast: FastTTSConfig, search: SearchConfig, paths: int | None = None,
+                  with_target: bool = False) -> Workload:
+    """One search step for the roofline: `paths` (default n) beams whose context averages the prompt plus half
+    a path; with a target, `target_share` of the steps are rewritten by it."""
+    return Workload(paths or search.n, fast.prompt_tokens + search.max_tokens // 2, search.max_step_tokens,
+                    fast.target_share if with_target else 0.0)
 
 
 def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: RuntimeConfig,
-                       verifier: RuntimeConfig | None) -> RuntimeSettings:
-    """Apply P (plugin env), S (priority scheduling) and the KV split (M's plan or 50/50) to the configs.
+                       verifier: RuntimeConfig | None, target: RuntimeConfig | None = None,
+                       paths: int | None = None) -> RuntimeSettings:
+    """Apply P (plugin env), S (priority scheduling) and the KV split (M's plan, or equal shares) to the configs.
 
-    `verifier` is the scorer's own runtime, or None when the scorer reads from the generator's runtime
-    (then the generator gets the whole budget). Budgets in tokens follow each model's KV bytes per token;
-    neither runtime gets less than the longest request (`longest_request_tokens`): the roofline would give
-    the verifier a single sequence of the average length, which SGLang could not serve the longest path with.
+    `verifier` is the scorer's own runtime, or None when the scorer reads from the generator's runtime (which
+    then holds the verifier's share too); `target` is RSD's target runtime; `paths` the sequences decoded at
+    once (default search.n; RSD: the problems at once). Budgets in tokens follow each model's KV bytes per
+    token; no runtime gets less than the longest request (`longest_request_tokens`). On cuda every runtime
+    whose budget is set also gets a start-order-safe `mem_fraction_static` (sgl_tts.runtime.memory_plan).
     """
     env = {**generator.env, ENV_POLICY: fast.policy}
     args = list(generator.extra_args)
@@ -169,45 +193,84 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
             if flag not in args:
                 args += [flag, *value]
     generator = dataclasses.replace(generator, env=env, extra_args=args)
+    runtimes = {"generator": generator, "verifier": verifier, "target": target}
+    runtimes = {role: config for role, config in runtimes.items() if config is not None}
+    if fast.kv_budget_mib is None and not fast.memory_plan:
+        return RuntimeSettings(generator, verifier, "as configured", target=target)
 
-    budget = None if fast.kv_budget_mib is None else fast.kv_budget_mib * MIB
-    gen_spec = model_spec_for(generator) if budget is not None or fast.memory_plan else None
-    if verifier is None:
-        if budget is None:
-            return RuntimeSettings(generator, None, "as configured")
-        tokens = _tokens(budget, gen_spec, "generator", fast, search)
-        return RuntimeSettings(dataclasses.replace(generator, max_total_tokens=tokens), None, "whole budget")
-    if budget is None and not fast.memory_plan:
-        return RuntimeSettings(generator, verifier, "as configured")
+    devices = {config.device for config in runtimes.values()}
+    if len(devices) > 1:
+        raise ConfigError(f"fasttts: the KV split needs all runtimes on one device, got "
+                          + ", ".join(f"{role} on {config.device}" for role, config in runtimes.items()))
+    device = devices.pop()
+    specs = {role: model_spec_for(config) for role, config in runtimes.items()}
+    floor = longest_request_tokens(fast, search)
+    hardware: Hardware | None = None
+    if fast.memory_plan or device == "cuda":
+        try:
+            hardware = plan_hardware(device, fast.hardware)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"fasttts.hardware: {exc.args[0]}") from None
 
-    ver_spec = model_spec_for(verifier)
-    if budget is None and generator.max_total_tokens and verifier.max_total_tokens:
-        budget = float(generator.max_total_tokens * gen_spec.kv_bytes_per_token
-                       + verifier.max_total_tokens * ver_spec.kv_bytes_per_token)
+    budget, source = _kv_budget(fast, runtimes, specs, hardware)
     plan = None
     if fast.memory_plan:
-        plan = plan_memory(gen_spec, ver_spec, get_hardware(fast.hardware), plan_workload(fast, search), budget)
-        budget = plan.kv_budget
-        # Co-located SGLang runtimes allocate their KV pools at start, so the offload alternative (§4.3.2)
-        # cannot be carried out: take the shared-memory optimum. The verifier gets its B_pre sequences, but
-        # at least the longest request; the generator gets the rest.
-        b_pre = plan.shared.b_pre if plan.shared is not None else 1
-        floor = longest_request_tokens(fast, search)
-        ver_tokens = max(b_pre * plan.workload.seq_len, floor)
-        ver_bytes = ver_tokens * ver_spec.kv_bytes_per_token
-        gen_tokens = _tokens(budget - ver_bytes, gen_spec, "generator", fast, search)
+        # The scorer on the generator's runtime: plan a verifier of the generator's model, the runtime holds both.
+        ver_spec = specs.get("verifier", specs["generator"])
+        work = plan_workload(fast, search, paths, with_target=target is not None)
+        try:
+            plan = plan_memory(specs["generator"], ver_spec, hardware, work, budget, specs.get("target"), floor)
+        except ValueError as exc:
+            raise ConfigError(f"fasttts.kv_budget_mib: {exc.args[0]} (longest request {floor} = prompt_tokens + "
+                              f"max_tokens + max_step_tokens)") from None
+        if plan.shared is None:
+            raise ConfigError(f"fasttts.kv_budget_mib: {budget / MIB:.1f} MiB holds no sequence of every model at "
+                              f"once; only offloading (which co-located runtimes cannot do) would fit")
+        tokens = {role: b.max_total_tokens for role, b in plan.budgets.items()}
+        if verifier is None:
+            tokens["generator"] += tokens.pop("verifier")
         split = "roofline"
+    elif len(runtimes) == 1:
+        tokens, split = {"generator": _tokens(budget, specs["generator"], "generator", floor)}, "whole budget"
     else:
-        ver_tokens = _tokens(budget / 2, ver_spec, "verifier", fast, search)
-        gen_tokens = _tokens(budget / 2, gen_spec, "generator", fast, search)
-        split = "static 50/50"
-    return RuntimeSettings(dataclasses.replace(generator, max_total_tokens=gen_tokens),
-                           dataclasses.replace(verifier, max_total_tokens=ver_tokens), split, plan)
+        tokens = {role: _tokens(budget / len(runtimes), specs[role], role, floor) for role in runtimes}
+        split = "static"
+
+    fractions: dict[str, float] = {}
+    if device == "cuda":
+        needs = {role: specs[role].weight_bytes + tokens[role] * specs[role].kv_bytes_per_token for role in runtimes}
+        try:
+            fractions = start_order_safe_fractions(hardware, needs)
+        except ValueError as exc:
+            raise ConfigError(f"fasttts.kv_budget_mib: {exc.args[0]}") from None
+    configured = {role: dataclasses.replace(
+        config, max_total_tokens=tokens[role], mem_fraction_static=fractions.get(role, config.mem_fraction_static))
+        for role, config in runtimes.items()}
+    return RuntimeSettings(configured["generator"], configured.get("verifier"), split, plan,
+                           configured.get("target"), source)
 
 
-def _tokens(kv_bytes: float, spec: ModelSpec, role: str, fast: FastTTSConfig, search: SearchConfig) -> int:
+def _kv_budget(fast: FastTTSConfig, runtimes: dict[str, RuntimeConfig], specs: dict[str, ModelSpec],
+               hardware: Hardware | None) -> tuple[float, str]:
+    """The KV bytes all runtimes share and where that figure came from: `kv_budget_mib`; else the runtimes'
+    configured `max_total_tokens`, pooled; else (M on) the device's memory after all weights, logged."""
+    if fast.kv_budget_mib is not None:
+        return fast.kv_budget_mib * MIB, f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)"
+    if all(config.max_total_tokens for config in runtimes.values()):
+        pooled = sum(runtimes[role].max_total_tokens * specs[role].kv_bytes_per_token for role in runtimes)
+        return float(pooled), "the runtimes' max_total_tokens, pooled"
+    assert hardware is not None, "without a configured budget the split is M's, and M resolved the hardware"
+    weights = sum(m.weight_bytes for m in specs.values())
+    budget = kv_budget(hardware, *specs.values())
+    source = (f"{hardware.name}'s memory: {DEVICE_UTILIZATION:.0%} of {hardware.mem_bytes / GIB:.1f} GiB "
+              f"minus {weights / GIB:.2f} GiB of weights")
+    logger.warning("fasttts M: no kv_budget_mib and not every runtime has max_total_tokens, so the plan takes "
+                   "%s = %.2f GiB of KV", source, budget / GIB)
+    return budget, source
+
+
+def _tokens(kv_bytes: float, spec: ModelSpec, role: str, floor: int) -> int:
     tokens = int(kv_bytes // spec.kv_bytes_per_token)
-    floor = longest_request_tokens(fast, search)
     if tokens < floor:
         raise ConfigError(f"fasttts.kv_budget_mib: the {role} runtime's share holds {tokens} tokens, fewer than "
                          f"the longest request ({floor} = prompt_tokens + max_tokens + max_step_tokens); "
@@ -217,12 +280,17 @@ def _tokens(kv_bytes: float, spec: ModelSpec, role: str, fast: FastTTSConfig, se
 
 
 def describe_settings(settings: RuntimeSettings) -> str:
-    """One line: the KV token budgets and how they were chosen."""
-    parts = [f"generator {settings.generator.max_total_tokens or 'default'} tokens"]
-    if settings.verifier is not None:
-        parts.append(f"verifier {settings.verifier.max_total_tokens or 'default'} tokens")
+    """One line: the KV token budgets, how they were chosen, and from what budget."""
+    parts = [f"{role} {config.max_total_tokens or 'default'} tokens"
+             + (f" (mem fraction {config.mem_fraction_static})" if config.mem_fraction_static else "")
+             for role, config in (("generator", settings.generator), ("verifier", settings.verifier),
+                                  ("target", settings.target)) if config is not None]
     line = f"KV split {settings.split}: " + ", ".join(parts)
-    if settings.plan is not None and settings.plan.shared is not None:
-        line += (f" (roofline on {settings.plan.hardware.name}: B_pre={settings.plan.shared.b_pre}, "
-                 f"B_dec={settings.plan.shared.b_dec}, budget {settings.plan.kv_budget / GIB:.3f} GiB)")
+    plan = settings.plan
+    if plan is not None and plan.shared is not None:
+        target = f", B_tgt={plan.shared.b_tgt}" if plan.target is not None else ""
+        line += (f" (roofline on {plan.hardware.name}: B_pre={plan.shared.b_pre}, B_dec={plan.shared.b_dec}{target}, "
+                 f"budget {plan.kv_budget / GIB:.3f} GiB)")
+    if settings.budget_source:
+        line += f"; budget from {settings.budget_source}"
     return line

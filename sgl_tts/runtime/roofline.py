@@ -1,11 +1,14 @@
-"""Roofline memory planner: how to split KV-cache memory between the generator and the verifier.
+"""Roofline model of one search step and the search for the batch sizes that minimise its time.
 
 FastTTS §4.3: pick the verifier (prefill) batch B_pre and generator (decode) batch B_dec minimising
     T_tot = ⌈N/B_pre⌉·T_pre(B_pre, S) + ⌈N/B_dec⌉·S_dec·T_dec(B_dec, S̄_cache)
 subject to B_pre·KV_ver(1, S) + B_dec·KV_gen(1, S) ≤ M, with T = max(FLOPs/P, bytes/BW) per batch
 (the roofline bound, edge-inference-evaluation §III eq. 3) and KV bytes per token 2·L·H_kv·d_h·s
-(eq. 2). Or, with offloading (§4.3.2), each model gets all of M while it runs and the other's KV
-cache goes to host memory and back, at the host-link bandwidth.
+(eq. 2). Or, with offloading (§4.3.2), each model gets all of M while it runs and the others' KV
+caches go to host memory and back, at the host-link bandwidth.
+
+A third model, RSD's target, joins as a second decode stage: it rewrites the ⌈share·N⌉ steps the verifier
+rejects, so T_tot gains ⌈N_tgt/B_tgt⌉·S_dec·T_dec,tgt(B_tgt, S̄_cache) and the budget B_tgt·KV_tgt(1, S).
 
 Workload: N beams per step, each holding `prompt_len` tokens of context (problem and earlier steps)
 and generating `decode_len` more. The verifier reads S = prompt_len + decode_len tokens; the generator
@@ -15,72 +18,20 @@ S_dec/2 when prompt_len = 0). Prefix sharing between beams is ignored (a conserv
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
+from sgl_tts.runtime.hardware import GIB, HARDWARE, THIS_MACHINE, Hardware, get_hardware, probe_this_machine
+
+__all__ = ["GIB", "HARDWARE", "THIS_MACHINE", "Hardware", "get_hardware", "probe_this_machine"]  # re-exported
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1}
-_REL_TOL = 1e-12  # totals closer than this are ties
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A device for the roofline model: peak FLOP/s, memory bandwidth and size, host-link bandwidth
-    (bytes/s, one direction)."""
-
-    name: str
-    peak_flops: float
-    mem_bandwidth: float
-    mem_bytes: float
-    link_bandwidth: float
-
-
-GIB = 2**30
-# Dense FP16/BF16 tensor throughput with FP32 accumulation (NVIDIA Ampere/Ada whitepapers, H200
-# datasheet BF16 without sparsity); PCIe 4.0 x16 ≈ 32 GB/s, PCIe 5.0 x16 ≈ 64 GB/s per direction.
-HARDWARE: dict[str, Hardware] = {
-    "rtx4090": Hardware("rtx4090", 165.2e12, 1008e9, 24 * GIB, 32e9),
-    "rtx4070ti": Hardware("rtx4070ti", 80.2e12, 504e9, 12 * GIB, 32e9),
-    "rtx3070ti": Hardware("rtx3070ti", 43.5e12, 608e9, 8 * GIB, 32e9),
-    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, 64e9),
-}
-THIS_MACHINE = "this-machine"
-
-
-def probe_this_machine(seconds: float = 0.5) -> Hardware:
-    """Measure this host: FLOP/s from a float32 matmul, bandwidth from a 64 MiB array copy; the host
-    link is the memory itself. Takes about `seconds` (well under 2 s)."""
-    import numpy as np
-
-    a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
-    src = np.ones(16 * 2**20, dtype=np.float32)
-    dst = np.empty_like(src)
-    best_mm, best_copy, deadline = math.inf, math.inf, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ a
-        t1 = time.perf_counter()
-        np.copyto(dst, src)
-        t2 = time.perf_counter()
-        best_mm, best_copy = min(best_mm, t1 - t0), min(best_copy, t2 - t1)
-    flops = 2 * 512**3 / best_mm
-    bandwidth = 2 * src.nbytes / best_copy  # a copy reads and writes every byte
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware(THIS_MACHINE, flops, bandwidth, float(mem), bandwidth)
-
-
-def get_hardware(name: str) -> Hardware:
-    """A built-in profile by name, or `this-machine` (probed now)."""
-    if name == THIS_MACHINE:
-        return probe_this_machine()
-    if name not in HARDWARE:
-        raise KeyError(f"unknown hardware {name!r}; known: {', '.join([*HARDWARE, THIS_MACHINE])}")
-    return HARDWARE[name]
+REL_TOL = 1e-12  # step times closer than this (relative) are ties
 
 
 @dataclass(frozen=True)
@@ -143,7 +94,7 @@ def model_spec_from_config(config: Mapping[str, Any], name: str = "model", dtype
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     inter, vocab = need("intermediate_size"), need("vocab_size")
-    dtype = dtype or config.get("torch_dtype") or "bfloat16"
+    dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise KeyError(f"{name}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     archs = config.get("architectures") or []
@@ -156,17 +107,42 @@ def model_spec_from_config(config: Mapping[str, Any], name: str = "model", dtype
                      float(layers * per_layer + head), DTYPE_BYTES[dtype])
 
 
+# Hub ids whose config.json is a built-in one (base and instruct variants share the shapes): a GPU run config
+# naming the hub id plans without fetching anything.
+HUB_IDS: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
+    "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-1.5B-Instruct": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-Math-7B-Instruct": "qwen2.5-math-7b",
+    "Qwen/Qwen2.5-Math-PRM-7B": "qwen2.5-math-prm-7b",
+    "Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B": "skywork-prm-1.5b",
+    "peiyi9979/math-shepherd-mistral-7b-prm": "math-shepherd-mistral-7b-prm",
+}
+
+
 def load_model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
-    """A built-in model name, a config.json path, or a model folder holding config.json."""
-    if name_or_path in BUILTIN_CONFIGS:
-        return model_spec_from_config(BUILTIN_CONFIGS[name_or_path], name_or_path, dtype)
+    """A built-in model name or its hub id (`HUB_IDS`), a config.json path, a model folder holding config.json,
+    or another hub id (its config read through transformers: the local cache, or the hub when online)."""
+    builtin = HUB_IDS.get(name_or_path, name_or_path)
+    if builtin in BUILTIN_CONFIGS:
+        return model_spec_from_config(BUILTIN_CONFIGS[builtin], name_or_path, dtype)
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise KeyError(f"model {name_or_path!r} is neither a config.json path nor a built-in: "
-                       f"{', '.join(BUILTIN_CONFIGS)}")
-    return model_spec_from_config(json.loads(path.read_text()), name_or_path, dtype)
+    if path.is_file():
+        return model_spec_from_config(json.loads(path.read_text()), name_or_path, dtype)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(name_or_path).to_dict()
+        except (OSError, ValueError) as exc:
+            raise KeyError(f"model {name_or_path!r}: not a built-in config and its config.json could not be "
+                           f"read ({exc}); give a local model folder or config.json path") from None
+        return model_spec_from_config(config, name_or_path, dtype)
+    raise KeyError(f"model {name_or_path!r} is neither a config.json path, a hub id nor a built-in: "
+                   f"{', '.join(BUILTIN_CONFIGS)}")
 
 
 def _roofline_terms(model: ModelSpec, hw: Hardware, tokens: float, attended: float,
@@ -196,24 +172,34 @@ def decode_step_time(model: ModelSpec, hw: Hardware, batch: int, cache_len: floa
 
 @dataclass(frozen=True)
 class Workload:
-    """One search step: `n` beams, each with `prompt_len` tokens of context, generating `decode_len`."""
+    """One search step: `n` beams, each with `prompt_len` tokens of context, generating `decode_len`;
+    `target_share` of the steps are rewritten by RSD's target model (0 without a target)."""
 
     n: int
     prompt_len: int
     decode_len: int
+    target_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.prompt_len < 0 or self.decode_len < 1:
             raise ValueError(f"need n >= 1, prompt_len >= 0, decode_len >= 1; got {self}")
+        if not 0.0 <= self.target_share <= 1.0:
+            raise ValueError(f"target_share must be in [0, 1], got {self.target_share}")
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.decode_len
 
+    @property
+    def target_n(self) -> int:
+        """Steps the target rewrites: ⌈target_share·n⌉ (rounded first, so 0.25·4 is 1, not 2)."""
+        return math.ceil(round(self.target_share * self.n, 9))
+
 
 @dataclass(frozen=True)
 class Allocation:
-    """Batch sizes and the modelled time of one step, in seconds (`overhead`: offload transfers)."""
+    """Batch sizes and the modelled time of one step, in seconds (`overhead`: offload transfers).
+    `b_tgt` and `t_target` are the target's (0 without a target)."""
 
     mode: str  # "shared", "offload" or "static"
     b_pre: int
@@ -221,217 +207,121 @@ class Allocation:
     t_verify: float
     t_generate: float
     overhead: float = 0.0
+    b_tgt: int = 0
+    t_target: float = 0.0
 
     @property
     def t_total(self) -> float:
-        return self.t_verify + self.t_generate + self.overhead
+        return self.t_verify + self.t_generate + self.t_target + self.overhead
+
+
+def _stage_times(compute: float, weights: float, kv: float, n: int) -> np.ndarray:
+    """times[b] = ⌈n/b⌉·max(b·compute, weights + b·kv) for b = 1..n; times[0] = 0 (no batch)."""
+    b = np.arange(1, n + 1, dtype=np.float64)
+    rounds = (n + np.arange(n)) // np.arange(1, n + 1)  # ⌈n/b⌉ = (n + b - 1) // b
+    return np.concatenate([[0.0], rounds * np.maximum(b * compute, weights + b * kv)])
+
+
+def best_upto(times: np.ndarray) -> np.ndarray:
+    """best[k] = the batch ≤ k with the smallest time, ties to the larger batch; best[0] = 0.
+
+    A batch b is a record when its time is within REL_TOL of the smallest time of batches 1..b-1 (or is
+    smaller); best[k] is the largest record ≤ k. A non-record b is never worth its memory: a smaller batch is
+    faster."""
+    t = times[1:]
+    previous_min = np.minimum.accumulate(np.concatenate([[np.inf], t[:-1]]))
+    record = t <= previous_min * (1 + REL_TOL)
+    return np.concatenate([[0], np.maximum.accumulate(np.where(record, np.arange(1, len(t) + 1), 0))])
 
 
 class StepCosts:
-    """T_tot's two terms for every batch size up to N, computed once per plan."""
+    """T_tot's terms for every batch size up to N (N_tgt for the target), computed once per plan."""
 
-    def __init__(self, gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload) -> None:
-        n, s = work.n, work.seq_len
+    def __init__(self, gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload,
+                 target: ModelSpec | None = None) -> None:
+        n, s, steps = work.n, work.seq_len, work.decode_len
         cache = work.prompt_len + work.decode_len / 2
         self.work = work
-        # The same arithmetic as prefill_time and decode_step_time, unrolled over the batch size.
-        c, w, k = _roofline_terms(ver, hw, s, s / 2, s)
-        self.verify = [0.0] + [-(-n // b) * max(b * c, w + b * k) for b in range(1, n + 1)]
+        self.verify = _stage_times(*_roofline_terms(ver, hw, s, s / 2, s), n)
         c, w, k = _roofline_terms(gen, hw, 1, cache, cache)
-        c, w, k = c * work.decode_len, w * work.decode_len, k * work.decode_len
-        self.generate = [0.0] + [-(-n // b) * max(b * c, w + b * k) for b in range(1, n + 1)]
+        self.generate = _stage_times(c * steps, w * steps, k * steps, n)
         self.kv_ver_seq = ver.kv_bytes_per_token * s
         self.kv_gen_seq = gen.kv_bytes_per_token * s
-
-    def best_upto(self, terms: list[float], limit: int) -> list[int]:
-        """best[k] = the batch ≤ k with the smallest term; ties go to the larger batch."""
-        best = [0] * (limit + 1)
-        for b in range(1, limit + 1):
-            prev = best[b - 1]
-            best[b] = b if prev == 0 or terms[b] <= terms[prev] * (1 + _REL_TOL) else prev
-        return best
+        self.has_target = target is not None
+        if target is not None:
+            c, w, k = _roofline_terms(target, hw, 1, cache, cache)
+            self.target = _stage_times(c * steps, w * steps, k * steps, work.target_n)
+            self.kv_tgt_seq = target.kv_bytes_per_token * s
+        else:
+            self.target, self.kv_tgt_seq = np.zeros(1), 0
 
 
 def _max_batch(budget: float, per_seq: float, n: int) -> int:
+    if per_seq <= 0:
+        return n
     return min(n, int(budget // per_seq)) if budget > 0 else 0
 
 
-def _is_better(t: float, b_dec: int, best: Allocation | None) -> bool:
-    if best is None:
-        return True
-    if t < best.t_total * (1 - _REL_TOL):
-        return True
-    return t <= best.t_total * (1 + _REL_TOL) and b_dec > best.b_dec
+def _pick(t: np.ndarray, b_pre: np.ndarray, b_dec: np.ndarray, b_tgt: np.ndarray, n: int) -> int | None:
+    """Index of the fastest candidate, ties (within REL_TOL) to the larger B_dec, then B_pre, then B_tgt
+    (FastTTS §4.3 breaks ties toward B_dec: decoding is the memory-sensitive stage); None if there is none."""
+    if t.size == 0:
+        return None
+    tie = t <= t.min() * (1 + REL_TOL)
+    key = (b_dec.astype(np.int64) * (n + 1) + b_pre) * (n + 1) + b_tgt
+    return int(np.argmax(np.where(tie, key, -1)))
 
 
 def search_shared(costs: StepCosts, budget: float) -> Allocation | None:
-    """The best (B_pre, B_dec) with B_pre·KV_ver(1,S) + B_dec·KV_gen(1,S) ≤ budget; None if even
-    (1, 1) does not fit. Linear in N: for each B_pre the bound on B_dec follows from the budget, and
-    the best B_dec under that bound comes from a running minimum (the paper takes the bound itself;
-    ⌈N/B⌉ makes the decode term non-monotone, so a smaller B_dec can be faster). Ties: larger B_dec."""
-    n = costs.work.n
-    max_pre = _max_batch(budget - costs.kv_gen_seq, costs.kv_ver_seq, n)
-    best_dec = costs.best_upto(costs.generate, _max_batch(budget - costs.kv_ver_seq, costs.kv_gen_seq, n))
-    best: Allocation | None = None
-    for b_pre in range(1, max_pre + 1):
-        b_dec = best_dec[_max_batch(budget - b_pre * costs.kv_ver_seq, costs.kv_gen_seq, n)]
-        assert b_dec >= 1, f"B_pre={b_pre} leaves no room for the generator"
-        t = costs.verify[b_pre] + costs.generate[b_dec]
-        if _is_better(t, b_dec, best):
-            best = Allocation("shared", b_pre, b_dec, costs.verify[b_pre], costs.generate[b_dec])
-    return best
+    """The best (B_pre, B_dec[, B_tgt]) with B_pre·KV_ver(1,S) + B_dec·KV_gen(1,S) [+ B_tgt·KV_tgt(1,S)] ≤
+    budget; None if even one sequence each does not fit.
+
+    FastTTS §4.3 scans every B_pre and takes the largest B_dec the rest of the budget allows. Here: only
+    records of B_pre and B_tgt (`best_upto`) are scanned, since any other batch is slower than a smaller one
+    and leaves less memory (for ⌈N/B⌉·max(...) the records are among the ⌈N/q⌉, about 2√N of them); and
+    B_dec is the best one under the bound, not the bound itself (⌈N/B⌉ makes the decode term non-monotone,
+    so a smaller B_dec can be faster)."""
+    n, n_tgt = costs.work.n, costs.work.target_n
+    pre_records = np.unique(best_upto(costs.verify)[1:])
+    if costs.has_target and n_tgt:
+        tgt_records = np.unique(best_upto(costs.target)[1:])
+    else:
+        tgt_records = np.zeros(1, np.int64)  # no target, or nothing for it to rewrite: no batch
+    b_pre, b_tgt = (grid.ravel() for grid in np.meshgrid(pre_records, tgt_records, indexing="ij"))
+    rest = budget - b_pre * costs.kv_ver_seq - b_tgt * costs.kv_tgt_seq
+    bound = np.minimum(n, np.floor(np.maximum(rest, 0) / costs.kv_gen_seq)).astype(np.int64)
+    b_dec = best_upto(costs.generate)[bound]
+    ok = b_dec >= 1
+    b_pre, b_tgt, b_dec = b_pre[ok], b_tgt[ok], b_dec[ok]
+    t = costs.verify[b_pre] + costs.generate[b_dec] + costs.target[b_tgt]
+    best = _pick(t, b_pre, b_dec, b_tgt, n)
+    if best is None:
+        return None
+    return Allocation("shared", int(b_pre[best]), int(b_dec[best]), float(costs.verify[b_pre[best]]),
+                      float(costs.generate[b_dec[best]]), 0.0, int(b_tgt[best]), float(costs.target[b_tgt[best]]))
 
 
 def search_offload(costs: StepCosts, budget: float, hw: Hardware) -> Allocation | None:
-    """§4.3.2: each model has the whole budget while it runs (B_pre·KV_ver ≤ M, B_dec·KV_gen ≤ M);
-    per step each model's resident KV cache goes to host memory and back once."""
-    n = costs.work.n
-    pre = costs.best_upto(costs.verify, _max_batch(budget, costs.kv_ver_seq, n))
-    dec = costs.best_upto(costs.generate, _max_batch(budget, costs.kv_gen_seq, n))
-    if pre[-1] == 0 or dec[-1] == 0:
+    """§4.3.2: each model has the whole budget while it runs (B·KV ≤ M for each); per step each model's
+    resident KV cache goes to host memory and back once."""
+    n, n_tgt = costs.work.n, costs.work.target_n
+    b_pre = int(best_upto(costs.verify)[_max_batch(budget, costs.kv_ver_seq, n)])
+    b_dec = int(best_upto(costs.generate)[_max_batch(budget, costs.kv_gen_seq, n)])
+    b_tgt = int(best_upto(costs.target)[_max_batch(budget, costs.kv_tgt_seq, n_tgt)]) if costs.has_target else 0
+    if b_pre == 0 or b_dec == 0 or (costs.has_target and n_tgt and b_tgt == 0):
         return None
-    b_pre, b_dec = pre[-1], dec[-1]
-    overhead = 2 * (b_pre * costs.kv_ver_seq + b_dec * costs.kv_gen_seq) / hw.link_bandwidth
-    return Allocation("offload", b_pre, b_dec, costs.verify[b_pre], costs.generate[b_dec], overhead)
+    resident = b_pre * costs.kv_ver_seq + b_dec * costs.kv_gen_seq + b_tgt * costs.kv_tgt_seq
+    return Allocation("offload", b_pre, b_dec, float(costs.verify[b_pre]), float(costs.generate[b_dec]),
+                      2 * resident / hw.link_bandwidth, b_tgt, float(costs.target[b_tgt]))
 
 
-@dataclass(frozen=True)
-class RuntimeBudget:
-    """What to start one SGLang runtime with: `max_total_tokens` (KV-cache tokens) and the matching
-    share of device memory for weights plus KV (`mem_fraction`, of the whole device)."""
-
-    max_total_tokens: int
-    kv_bytes: float
-    mem_fraction: float
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The chosen allocation, both candidates, the static 50/50 baseline, and per-runtime budgets."""
-
-    hardware: Hardware
-    workload: Workload
-    kv_budget: float
-    chosen: Allocation
-    shared: Allocation | None
-    offload: Allocation | None
-    static: Allocation | None
-    generator: RuntimeBudget
-    verifier: RuntimeBudget
-
-
-def kv_budget(hw: Hardware, gen: ModelSpec, ver: ModelSpec, utilization: float = 0.9) -> float:
-    """KV-cache memory left on the device after both models' weights, using `utilization` of it."""
-    return utilization * hw.mem_bytes - gen.weight_bytes - ver.weight_bytes
-
-
-def _budget(model: ModelSpec, hw: Hardware, kv_bytes: float) -> RuntimeBudget:
-    tokens = int(kv_bytes // model.kv_bytes_per_token)
-    kv = tokens * model.kv_bytes_per_token
-    return RuntimeBudget(tokens, float(kv), (model.weight_bytes + kv) / hw.mem_bytes)
-
-
-def plan_memory(gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload,
-                budget: float | None = None) -> MemoryPlan:
-    """Choose the faster of the shared-memory optimum and offloading; `budget` is the KV memory M in
-    bytes (default: `kv_budget`). Budgets: shared mode gives the verifier B_pre sequences and the
-    generator the rest; offload mode gives each the whole budget."""
-    budget = kv_budget(hw, gen, ver) if budget is None else budget
-    if budget <= 0:
-        weights = (gen.weight_bytes + ver.weight_bytes) / GIB
-        raise ValueError(f"no KV memory left: the models' weights take {weights:.2f} GiB of "
-                         f"{hw.name}'s {hw.mem_bytes / GIB:.2f} GiB")
-    costs = StepCosts(gen, ver, hw, work)
-    shared = search_shared(costs, budget)
-    offload = search_offload(costs, budget, hw)
-    if shared is None and offload is None:
-        raise ValueError(f"a KV budget of {budget / GIB:.3f} GiB holds not even one sequence of "
-                         f"{work.seq_len} tokens per model")
-    chosen = shared if offload is None or (shared is not None and shared.t_total <= offload.t_total) else offload
-    assert chosen is not None, "one of the candidates exists"
-    half_pre = _max_batch(budget / 2, costs.kv_ver_seq, work.n)
-    half_dec = _max_batch(budget / 2, costs.kv_gen_seq, work.n)
-    static = (Allocation("static", half_pre, half_dec, costs.verify[half_pre], costs.generate[half_dec])
-              if half_pre and half_dec else None)
-    if chosen.mode == "shared":
-        ver_kv = chosen.b_pre * costs.kv_ver_seq
-        gen_kv = budget - ver_kv
-    else:
-        ver_kv = gen_kv = budget
-    return MemoryPlan(hw, work, budget, chosen, shared, offload, static,
-                      _budget(gen, hw, gen_kv), _budget(ver, hw, ver_kv))
-
-
-def bench_planner(ns: tuple[int, ...] = (16, 64, 256, 1024), repeats: int = 20) -> dict[int, float]:
-    """Microseconds per `plan_memory` call (best of `repeats`) for each n, on the RTX 4090 profile."""
-    gen = load_model_spec("qwen2.5-math-1.5b")
-    ver = load_model_spec("skywork-prm-1.5b")
-    timings: dict[int, float] = {}
-    for n in ns:
-        work = Workload(n, 512, 256)
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            plan_memory(gen, ver, HARDWARE["rtx4090"], work)
-            best = min(best, time.perf_counter() - t0)
-        timings[n] = best * 1e6
-    return timings
-
-
-def _describe(a: Allocation | None) -> str:
-    if a is None:
-        return "infeasible"
-    extra = f" + offload {a.overhead * 1e3:.2f} ms" if a.overhead else ""
-    return (f"B_pre={a.b_pre:<4d} B_dec={a.b_dec:<4d} T_tot={a.t_total * 1e3:9.2f} ms "
-            f"(verify {a.t_verify * 1e3:.2f} + generate {a.t_generate * 1e3:.2f}{extra})")
-
-
-def _handle_plan_memory(args: argparse.Namespace) -> int:
-    try:
-        hw = get_hardware(args.hardware)
-        dtype = args.dtype or ("float32" if hw.name == THIS_MACHINE else None)  # SGLang on CPU runs fp32
-        gen = load_model_spec(args.generator_config, dtype)
-        ver = load_model_spec(args.verifier_config, dtype)
-        work = Workload(args.n, args.prompt_len, args.decode_len)
-        budget = args.memory_gb * GIB if args.memory_gb is not None else None
-        plan = plan_memory(gen, ver, hw, work, budget)
-    except (KeyError, ValueError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}")
-        return 2
-    print(f"hardware  {hw.name}: {hw.peak_flops / 1e12:.2f} TFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s, "
-          f"{hw.mem_bytes / GIB:.1f} GiB, link {hw.link_bandwidth / 1e9:.1f} GB/s")
-    for role, m in (("generator", gen), ("verifier", ver)):
-        print(f"{role:<9} {m.name}: {m.weight_bytes / GIB:.2f} GiB weights, "
-              f"{m.kv_bytes_per_token} KV bytes/token")
-    print(f"workload  n={work.n} prompt_len={work.prompt_len} decode_len={work.decode_len}; "
-          f"KV budget {plan.kv_budget / GIB:.3f} GiB")
-    for label, a in (("shared", plan.shared), ("offload", plan.offload), ("static", plan.static)):
-        print(f"{label:<9} {_describe(a)}")
-    print(f"chosen    {plan.chosen.mode}")
-    for role, b in (("generator", plan.generator), ("verifier", plan.verifier)):
-        print(f"{role:<9} --max-total-tokens {b.max_total_tokens} "
-              f"(KV {b.kv_bytes / GIB:.3f} GiB, mem fraction {b.mem_fraction:.3f})")
-    if args.bench:
-        for n, us in bench_planner().items():
-            print(f"bench     n={n:<5d} {us:8.1f} µs per plan")
-    return 0
-
-
-def add_plan_memory_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
-    """Add `memory` to the `plan` command's subparsers; its handler returns an exit code."""
-    p = plan_subparsers.add_parser("memory", help="split KV memory between generator and verifier (roofline)")
-    p.add_argument("--hardware", default=THIS_MACHINE,
-                   help=f"one of {', '.join([*HARDWARE, THIS_MACHINE])} (default: probe this machine)")
-    p.add_argument("--generator-config", default="smollm2-135m",
-                   help=f"config.json path, model folder, or one of {', '.join(BUILTIN_CONFIGS)}")
-    p.add_argument("--verifier-config", default="smollm2-135m", help="as --generator-config")
-    p.add_argument("--n", type=int, default=16, help="beams per step (N)")
-    p.add_argument("--prompt-len", type=int, default=256, help="context tokens per beam before the step")
-    p.add_argument("--decode-len", type=int, default=128, help="tokens generated per beam per step")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="KV-cache budget M in GiB (default: 90%% of device memory minus both models' weights)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
-                   help="weights and KV dtype (default: float32 on this-machine, else each config's torch_dtype)")
-    p.add_argument("--bench", action="store_true", help="also time the planner")
-    p.set_defaults(func=_handle_plan_memory)
-    return p
+def search_static(costs: StepCosts, budget: float) -> Allocation | None:
+    """The baseline: every model gets an equal share of the budget and runs as many sequences as fit."""
+    share = budget / (3 if costs.has_target else 2)
+    b_pre = _max_batch(share, costs.kv_ver_seq, costs.work.n)
+    b_dec = _max_batch(share, costs.kv_gen_seq, costs.work.n)
+    b_tgt = _max_batch(share, costs.kv_tgt_seq, costs.work.target_n) if costs.has_target else 0
+    if b_pre == 0 or b_dec == 0 or (costs.has_target and costs.work.target_n and b_tgt == 0):
+        return None
+    return Allocation("static", b_pre, b_dec, float(costs.verify[b_pre]), float(costs.generate[b_dec]),
+                      0.0, b_tgt, float(costs.target[b_tgt]))

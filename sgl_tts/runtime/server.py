@@ -27,6 +27,11 @@ from typing import Any, Literal
 from sgl_tts.runtime.models import resolve_model
 
 LOCALHOST = "127.0.0.1"
+# Decode steps the scheduler runs between two looks at its queues, on CPU (SGLang's default is 1). Each look costs
+# a scheduler round trip in Python, which on CPU is a sizeable part of a step for a small model; the price is
+# that a new request waits up to this many steps to join the running batch (`sgl-tts bench runtime`,
+# docs/runtime-speed.md).
+CPU_CONTINUOUS_DECODE_STEPS = 4
 
 
 class RuntimeStartError(RuntimeError):
@@ -51,6 +56,7 @@ class RuntimeConfig:
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None
     cpu_threads: int | None = None  # torch threads in the scheduler process (CPU only)
+    continuous_decode_steps: int | None = None  # None: CPU_CONTINUOUS_DECODE_STEPS on CPU, SGLang's 1 on CUDA
     random_seed: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0  # the longest one HTTP request to the runtime may take
@@ -68,7 +74,8 @@ class RuntimeConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads"):
+        for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads",
+                     "continuous_decode_steps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -101,9 +108,11 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
            "--random-seed", str(config.random_seed), "--log-level", "info"]
     dtype = config.dtype
     attention = config.attention_backend
+    decode_steps = config.continuous_decode_steps
     if config.device == "cpu":
         dtype = "float32" if dtype == "auto" else dtype
         attention = attention or "torch_native"
+        decode_steps = decode_steps or CPU_CONTINUOUS_DECODE_STEPS
         cmd += ["--sleep-on-idle", "--disable-cuda-graph"]
     cmd += ["--dtype", dtype]
     if attention:
@@ -113,6 +122,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
         "--mem-fraction-static": config.mem_fraction_static,
         "--chunked-prefill-size": config.chunked_prefill_size,
         "--max-running-requests": config.max_running_requests,
+        "--num-continuous-decode-steps": decode_steps,
     }
     for flag, value in optional.items():
         if value is not None:

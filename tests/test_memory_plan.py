@@ -1,0 +1,183 @@
+"""One memory plan for all co-located runtimes: the split with floors, start-order-safe mem_fraction_static
+(checked against SGLang's pool-size formula in every start order), device profile selection, and the
+switches' three-runtime split."""
+
+import dataclasses
+import itertools
+import logging
+import random
+
+import pytest
+
+from sgl_tts.config import ConfigError
+from sgl_tts.fasttts.switches import (FastTTSConfig, configure_runtimes, describe_settings, from_label,
+                                      longest_request_tokens)
+from sgl_tts.runtime import hardware
+from sgl_tts.runtime.hardware import GIB, HARDWARE, THIS_MACHINE, Hardware, plan_hardware, profile_for_device
+from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, kv_budget, plan_memory, split_budget,
+                                         start_order_safe_fractions)
+from sgl_tts.runtime.roofline import Workload, load_model_spec
+from sgl_tts.runtime.server import RuntimeConfig
+from sgl_tts.search.api import SearchConfig
+
+SEARCH = SearchConfig(n=8, beam_width=2, max_steps=4, max_step_tokens=48, max_tokens=192)
+SMOL = RuntimeConfig(model="smollm2-135m", device="cpu")
+MIB = 2**20
+
+
+def test_split_never_exceeds_the_budget_and_keeps_every_floor():
+    rng = random.Random(0)
+    for _ in range(500):
+        roles = ["generator", "verifier", "target"][:rng.randint(1, 3)]
+        kv = {role: rng.randint(1, 50) for role in roles}
+        planned = {role: rng.choice([0, rng.randint(1, 10_000)]) for role in roles}
+        floor = rng.randint(1, 500)
+        budget = rng.uniform(0.5, 5) * floor * sum(kv.values())
+        if floor * sum(kv.values()) > budget:
+            with pytest.raises(ValueError, match="longest request"):
+                split_budget(planned, kv, budget, floor)
+            continue
+        tokens = split_budget(planned, kv, budget, floor)
+        assert set(tokens) == set(roles)
+        assert sum(tokens[r] * kv[r] for r in roles) <= budget
+        assert all(tokens[r] >= floor for r in roles), (tokens, floor)
+        # The runtimes above their floor keep the plan's ratio, up to rounding down to whole tokens: each one's
+        # exact share lies in [tokens, tokens + 1) tokens.
+        above = [r for r in roles if tokens[r] > floor and planned[r]]
+        for a, b in itertools.permutations(above, 2):
+            ratio = planned[a] * kv[a] / (planned[b] * kv[b])
+            assert tokens[a] / (tokens[b] + 1) <= ratio * kv[b] / kv[a] <= (tokens[a] + 1) / tokens[b]
+        # Nothing is left on the table beyond rounding.
+        assert budget - sum(tokens[r] * kv[r] for r in roles) < sum(kv.values())
+
+
+def sglang_pool_tokens(max_total_tokens, fraction, free_at_start, weights, kv_per_token):
+    """SGLang's KV pool size (sglang.srt.mem_cache.kv_cache_configurator, _profile_available_bytes): the
+    memory free after loading the weights, minus the slack free_at_start·(1 - fraction), capped by
+    max_total_tokens."""
+    profiled = (free_at_start - weights) - free_at_start * (1 - fraction)
+    return min(max_total_tokens, int(profiled // kv_per_token))
+
+
+@pytest.mark.parametrize("device, generator, verifier, target", [
+    ("rtx4090", "qwen2.5-math-1.5b", "skywork-prm-1.5b", None),
+    ("rtx4090", "qwen2.5-math-1.5b", "skywork-prm-1.5b", "qwen2.5-math-7b"),
+    ("h200", "qwen2.5-math-7b", "skywork-prm-1.5b", "qwen2.5-math-7b"),
+])
+def test_every_start_order_gets_the_planned_pools(device, generator, verifier, target):
+    hw = HARDWARE[device]
+    models = {"generator": load_model_spec(generator), "verifier": load_model_spec(verifier)}
+    if target:
+        models["target"] = load_model_spec(target)
+    plan = plan_memory(models["generator"], models["verifier"], hw, Workload(512, 512, 256, 0.35),
+                       target=models.get("target"), min_tokens=2048)
+    headroom = (1 - DEVICE_UTILIZATION) * hw.mem_bytes / len(models)
+    for order in itertools.permutations(models):
+        free = hw.mem_bytes
+        for role in order:
+            budget, model = plan.budgets[role], models[role]
+            pool = sglang_pool_tokens(budget.max_total_tokens, budget.mem_fraction_static, free,
+                                      model.weight_bytes, model.kv_bytes_per_token)
+            assert pool == budget.max_total_tokens, f"{role} started after {order[:order.index(role)]}"
+            free -= model.weight_bytes + budget.kv_bytes + headroom  # its activations use its headroom share
+    # A fraction of the whole device (what the planner used to give) starves the runtime that starts last.
+    last, budget = "generator", plan.budgets["generator"]
+    free_last = hw.mem_bytes - sum(models[r].weight_bytes + plan.budgets[r].kv_bytes + headroom
+                                   for r in models if r != last)
+    naive = (models[last].weight_bytes + budget.kv_bytes) / hw.mem_bytes
+    assert sglang_pool_tokens(budget.max_total_tokens, naive, free_last, models[last].weight_bytes,
+                              models[last].kv_bytes_per_token) < budget.max_total_tokens
+
+
+def test_fractions_refuse_needs_beyond_the_device():
+    hw = HARDWARE["rtx4090"]
+    with pytest.raises(ValueError, match="rtx4090"):
+        start_order_safe_fractions(hw, {"generator": 15 * GIB, "verifier": 8 * GIB})
+    assert all(0 < f < 1 for f in start_order_safe_fractions(hw, {"generator": 15 * GIB, "verifier": 6 * GIB}).values())
+
+
+def test_device_profile_selection(monkeypatch):
+    probed = Hardware(THIS_MACHINE, 1e11, 1e10, 16 * GIB, 1e10)
+    monkeypatch.setattr(hardware, "probe_this_machine", lambda seconds=0.5: probed)
+    assert plan_hardware("cuda", None, lambda: "NVIDIA GeForce RTX 4090") is HARDWARE["rtx4090"]
+    assert plan_hardware("cuda", None, lambda: "NVIDIA  H200") is HARDWARE["h200"]
+    assert plan_hardware("cuda", "rtx4070ti", lambda: "NVIDIA H200") is HARDWARE["rtx4070ti"], "config wins"
+    with pytest.raises(KeyError, match=r"'NVIDIA H200 NVL'.*fasttts.hardware"):
+        plan_hardware("cuda", None, lambda: "NVIDIA H200 NVL")
+    with pytest.raises(ValueError, match="sees no CUDA device.*fasttts.hardware"):
+        plan_hardware("cuda", None, lambda: None)
+    with pytest.raises(ValueError, match="profiles the host"):
+        plan_hardware("cuda", THIS_MACHINE, lambda: "NVIDIA H200")
+    assert plan_hardware("cpu", None, lambda: pytest.fail("a CPU plan must not look for a GPU")) is probed
+    assert profile_for_device("NVIDIA GeForce RTX 3070 Ti") is HARDWARE["rtx3070ti"]
+
+
+def gpu_runtime(model, **fields):
+    return RuntimeConfig(model=model, device="cuda", **fields)
+
+
+def test_m_on_gpu_without_a_budget_takes_the_device_memory_and_logs_it(monkeypatch, caplog):
+    monkeypatch.setattr(hardware, "cuda_device_name", lambda: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(hardware, "probe_this_machine", lambda seconds=0.5: pytest.fail("probed the host"))
+    # Hub ids, as a GPU run config names them (eval/configs/gpu-aime-amc.yaml): planned from the built-in configs.
+    gen, ver = gpu_runtime("Qwen/Qwen2.5-Math-1.5B-Instruct"), gpu_runtime("Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B")
+    with caplog.at_level(logging.WARNING):
+        settings = configure_runtimes(from_label("M"), SEARCH, gen, ver)
+    hw = HARDWARE["rtx4090"]
+    specs = load_model_spec("qwen2.5-math-1.5b"), load_model_spec("skywork-prm-1.5b")
+    assert settings.plan.hardware is hw and settings.plan.kv_budget == pytest.approx(kv_budget(hw, *specs))
+    assert "rtx4090's memory" in caplog.text and "rtx4090's memory" in settings.budget_source
+    used = sum(c.max_total_tokens * s.kv_bytes_per_token for c, s in zip((settings.generator, settings.verifier), specs))
+    assert used <= settings.plan.kv_budget
+    for config in (settings.generator, settings.verifier):
+        assert 0 < config.mem_fraction_static < 1
+    # No GPU in sight and no profile configured: an error naming the key, not a plan of host RAM.
+    monkeypatch.setattr(hardware, "cuda_device_name", lambda: None)
+    with pytest.raises(ConfigError, match="fasttts.hardware"):
+        configure_runtimes(from_label("M"), SEARCH, gen, ver)
+
+
+def test_three_runtimes_share_one_budget_and_each_holds_its_longest_request():
+    target = RuntimeConfig(model="qwen2.5-math-1.5b", device="cpu")  # fp32 on CPU: 57344 KV bytes a token
+    rng = random.Random(1)
+    floor = longest_request_tokens(FastTTSConfig(), SEARCH)
+    planned = 0
+    for _ in range(20):
+        budget_mib = rng.uniform(100, 2000)
+        for fast in (from_label("M", kv_budget_mib=budget_mib, hardware="rtx4090", target_share=rng.random()),
+                     FastTTSConfig(kv_budget_mib=budget_mib)):
+            try:
+                settings = configure_runtimes(fast, SEARCH, SMOL, SMOL, target, paths=rng.randint(1, 64))
+            except ConfigError as exc:
+                assert "longest request" in str(exc)
+                continue
+            runtimes = (settings.generator, settings.verifier, settings.target)
+            kv = (46080, 46080, 57344)
+            assert sum(c.max_total_tokens * k for c, k in zip(runtimes, kv)) <= budget_mib * MIB
+            assert all(c.max_total_tokens >= floor for c in runtimes)
+            assert settings.split == ("roofline" if fast.memory_plan else "static")
+            planned += 1
+    assert planned >= 20, "most budgets are large enough to plan"
+    settings = configure_runtimes(from_label("M", kv_budget_mib=1000, hardware="rtx4090"), SEARCH, SMOL, SMOL, target)
+    assert settings.plan.target is not None and settings.target.max_total_tokens == settings.plan.target.max_total_tokens
+    assert "B_tgt=" in describe_settings(settings)
+
+
+def test_a_scorer_on_the_generator_runtime_gets_its_share_there():
+    target = dataclasses.replace(SMOL, max_total_tokens=5000)
+    fast = from_label("M", kv_budget_mib=400, hardware="rtx4090")
+    settings = configure_runtimes(fast, SEARCH, SMOL, None, target)
+    assert settings.verifier is None
+    plan = settings.plan
+    assert settings.generator.max_total_tokens == plan.generator.max_total_tokens + plan.verifier.max_total_tokens
+    assert settings.target.max_total_tokens == plan.target.max_total_tokens
+
+
+def test_configured_budgets_of_three_runtimes_are_pooled():
+    gen, ver, tgt = (dataclasses.replace(SMOL, max_total_tokens=t) for t in (6000, 3000, 3000))
+    settings = configure_runtimes(from_label("M", hardware="rtx4090"), SEARCH, gen, ver, tgt)
+    total = settings.generator.max_total_tokens + settings.verifier.max_total_tokens + settings.target.max_total_tokens
+    assert 12000 - 3 < total <= 12000 and settings.budget_source == "the runtimes' max_total_tokens, pooled"
+    mixed = dataclasses.replace(tgt, device="cuda")
+    with pytest.raises(ConfigError, match="one device"):
+        configure_runtimes(from_label("M", hardware="rtx4090"), SEARCH, gen, ver, mixed)
