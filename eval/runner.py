@@ -599,7 +599,7 @@ class EvalRun:
         try:
             result, error = solver.solve(problem, unit.config.search), None
         except Exception as exc:  # reported per problem; a dead runtime is told apart by the caller
-            result, error = None, exc
+            result, error = getattr(exc, "result", None), exc  # a SearchError keeps the finished candidates
         return result, error, time.monotonic() - began, solver.requests.end(ticket)
 
     def row_provenance(self, unit: Unit, solver: Any, header: dict[str, Any]) -> dict[str, Any]:

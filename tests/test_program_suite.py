@@ -26,6 +26,7 @@ from sgl_tts.scoring.base import ScorerError, StepScorer, aggregate
 from sgl_tts.scoring.likelihood import LikelihoodScorer
 from sgl_tts.search.api import Path, Runtimes, SearchConfig, SearchError, SearchTracker, build_result
 from sgl_tts.search.selection import select
+from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"
@@ -541,6 +542,31 @@ def test_generator_dying_mid_search_keeps_finished_candidates(program):
     partial = info.value.result
     assert sorted(c.text for c in partial.candidates) == sorted(c.text for c in full.candidates if len(c.steps) <= 2)
     assert partial.candidates, "the scripted tree finishes some paths within two steps"
+
+
+class ErroringGenerator(ScriptedBackend):
+    """A generator whose live runtime answers the n-th request with an error (TTSEndpoint's GeneratorError)."""
+
+    def __init__(self, after: int):
+        super().__init__(ScriptedModel())
+        self.after, self.calls = after, 0
+
+    def generate(self, s, sampling_params):
+        with self._lock:
+            self.calls += 1
+            failing = self.calls > self.after
+        if failing:
+            raise GeneratorError("generator runtime 'generator' at http://127.0.0.1:9 failed: HTTP 500")
+        return super().generate(s, sampling_params)
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts", "best_of_n", "self_consistency"])
+def test_a_runtime_answering_with_an_error_is_a_search_failure_with_a_partial_result(program):
+    config = SearchConfig(program=program, n=4, beam_width=2, max_steps=6, max_tokens=10_000)
+    runtimes = dataclasses.replace(fake()[0], generator=ErroringGenerator(after=2))
+    with pytest.raises(SearchError, match="generator runtime 'generator' at http://127.0.0.1:9 failed") as info:
+        solve(program, config, runtimes)
+    assert info.value.result.error and info.value.result.program == program
 
 
 def test_cli_lists_all_seven_programs(capsys):

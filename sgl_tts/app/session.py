@@ -22,7 +22,7 @@ from sgl_tts.rsd.acceptance import RSDConfig
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring.config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
-from sgl_tts.search.api import Runtimes, SearchConfig, fill_in_counts
+from sgl_tts.search.api import Runtimes, SearchConfig, SearchError, fill_in_counts
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # SGLang honours per-request sampling_seed only with it
 
@@ -165,12 +165,16 @@ class Session:
 
     def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None
                   ) -> Iterator[tuple[Any, SearchResult]]:
-        """Solve problems `concurrency` at a time; yields (problem, result) as each finishes, in order."""
+        """Solve problems `concurrency` at a time; yields (problem, result) as each finishes, in order. A search
+        that failed mid-way (`SearchError`) yields its partial result, whose `error` says what failed."""
         problems = list(problems)
         with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
             futures = [pool.submit(self.solve, p) for p in problems]
             for problem, future in zip(problems, futures):
-                result = future.result()
+                try:
+                    result = future.result()
+                except SearchError as exc:
+                    result = exc.result
                 if on_result is not None:
                     on_result(problem, result)
                 yield problem, result
