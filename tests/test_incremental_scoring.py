@@ -383,3 +383,35 @@ def test_math_shepherd_incremental_equals_full_on_a_runtime(tiny_runtime, tiny_t
         counts.append(scored.counts)
         assert_close(full.score(prompt, paths), scored.scores, rel=1e-4)
     assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
+
+
+@pytest.mark.runtime
+def test_classifier_prm_generation_path_matches_reference_and_uses_the_radix_cache(tmp_path_factory):
+    """The folded head read through logprobs on a radix-cached runtime gives the reference's step rewards,
+    incrementally and in full, and serves the known steps from the cache."""
+    from transformers import AutoTokenizer
+
+    from sgl_tts.runtime.server import Runtime
+    from sgl_tts.scoring.prm import classifier_runtime_config
+    from sgl_tts.scoring.prm_models.client import build_prm_text
+    from sgl_tts.scoring.prm_models.reference import ReferencePRM
+    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
+
+    model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
+    reference_prm = ReferencePRM(model_dir)
+    question = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
+    prompt = f"<|im_start|>user\n{question}<|im_end|>\n"
+    runtime_config = classifier_runtime_config(str(model_dir), cached=True)
+    assert not runtime_config.is_embedding and "--disable-radix-cache" not in runtime_config.extra_args
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with Runtime.start(runtime_config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
+        incremental = make_scorer(ScorerConfig(kind="classifier"), runtime, tokenizer)
+        full = make_scorer(ScorerConfig(kind="classifier", incremental=False), runtime, tokenizer)
+        counts = []
+        for paths in REAL_GROWTH:
+            expected = [reference_prm.step_rewards(build_prm_text(question, [s.strip() for s in p])) for p in paths]
+            scored = incremental.score_counted(prompt, paths)
+            counts.append(scored.counts)
+            assert_close(scored.scores, expected, abs=1e-4)
+            assert_close(full.score(prompt, paths), expected, abs=1e-4)
+    assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]

@@ -75,7 +75,7 @@ class Qwen2ForProcessRewardModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = True):
+                input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = False):
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
         if not get_embedding:
             class_logits = self.score(hidden_states).float()
