@@ -401,7 +401,7 @@ def test_classifier_prm_generation_path_matches_reference_and_uses_the_radix_cac
     reference_prm = ReferencePRM(model_dir)
     question = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
     prompt = f"<|im_start|>user\n{question}<|im_end|>\n"
-    runtime_config = classifier_runtime_config(str(model_dir), cached=True)
+    runtime_config = classifier_runtime_config(str(model_dir), cached=True, startup_timeout_s=1200)
     assert not runtime_config.is_embedding and "--disable-radix-cache" not in runtime_config.extra_args
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with Runtime.start(runtime_config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
