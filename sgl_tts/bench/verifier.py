@@ -92,32 +92,34 @@ def run_bench(args: argparse.Namespace) -> int:
           f"n={search.n} beam_width={search.beam_width} steps<={search.max_steps}x{search.max_step_tokens} tokens "
           f"repeats={args.repeats}", flush=True)
     calls: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in ARMS}
-    with Session(config) as session:
-        print(f"runtimes ready in {session.started_s:.0f} s", flush=True)
-        scorer = session.search_runtimes.scorer
-        log = session.search_runtimes.scorer = CallLog(scorer)
-        session.solve(problems[0], dataclasses.replace(search, n=2, max_steps=1))  # warm-up
-        for repeat in range(args.repeats):
-            for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
-                scorer.set_incremental(arm == "incremental", config.scorer.memo_paths)
-                for problem in problems:
-                    _flush_caches(session.runtimes)
-                    log.take()
-                    result = session.solve(problem)
-                    searched = log.take()
-                    calls[arm].append(searched)
-                    print(f"[{repeat + 1}/{args.repeats} {arm:<11s} {problem.id}] {len(searched)} scorer calls: input "
-                          f"{sum(c['input_tokens'] for c in searched):.0f} tokens, cached "
-                          f"{sum(c['cached_tokens'] for c in searched):.0f}, verifier "
-                          f"{sum(c['time_ms'] for c in searched) / 1000:.1f} s of {result.total_time_s:.1f} s"
-                          + (f", error {result.error}" if result.error else ""), flush=True)
-    print("\nVerifier cost per beam-search iteration, median (min-max) over "
-          f"{args.repeats} repeats x {len(problems)} problems:")
-    print(format_table(calls))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args) | {"func": None}, "calls": calls}, f, indent=2)
-        print(f"wrote {args.out}")
+    try:
+        with Session(config) as session:
+            print(f"runtimes ready in {session.started_s:.0f} s", flush=True)
+            scorer = session.search_runtimes.scorer
+            log = session.search_runtimes.scorer = CallLog(scorer)
+            session.solve(problems[0], dataclasses.replace(search, n=2, max_steps=1))  # warm-up
+            for repeat in range(args.repeats):
+                for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
+                    scorer.set_incremental(arm == "incremental", config.scorer.memo_paths)
+                    for problem in problems:
+                        _flush_caches(session.runtimes)
+                        log.take()
+                        result = session.solve(problem)
+                        searched = log.take()
+                        calls[arm].append(searched)
+                        print(f"[{repeat + 1}/{args.repeats} {arm:<11s} {problem.id}] {len(searched)} scorer calls: "
+                              f"input {sum(c['input_tokens'] for c in searched):.0f} tokens, cached "
+                              f"{sum(c['cached_tokens'] for c in searched):.0f}, verifier "
+                              f"{sum(c['time_ms'] for c in searched) / 1000:.1f} s of {result.total_time_s:.1f} s"
+                              + (f", error {result.error}" if result.error else ""), flush=True)
+    finally:  # a runtime that dies mid-way still leaves the searches done so far in the table
+        print("\nVerifier cost per beam-search iteration, median (min-max) over searches "
+              f"({', '.join(f'{arm} {len(calls[arm])}' for arm in ARMS)}):")
+        print(format_table(calls))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args) | {"func": None}, "calls": calls}, f, indent=2)
+            print(f"wrote {args.out}")
     return 0
 
 
