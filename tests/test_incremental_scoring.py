@@ -415,3 +415,22 @@ def test_classifier_prm_generation_path_matches_reference_and_uses_the_radix_cac
             assert_close(scored.scores, expected, abs=1e-4)
             assert_close(full.score(prompt, paths), expected, abs=1e-4)
     assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
+
+
+def test_bench_call_log_records_each_call_and_the_table_compares_the_arms():
+    from sgl_tts.bench.verifier import CallLog, format_table
+
+    calls = {}
+    for arm, incremental in (("full", False), ("incremental", True)):
+        inner = ScriptedScorer()
+        inner.set_incremental(incremental)
+        log = CallLog(inner)
+        for paths in GROWTH:
+            assert log.score(PROMPT, paths) == reference(PROMPT, paths)
+        calls[arm] = [log.take()]
+        assert log.take() == []
+    assert [c["scored_steps"] for c in calls["full"][0]] == [3, 8, 9]
+    assert [c["scored_steps"] for c in calls["incremental"][0]] == [2, 3, 3]
+    assert [c["cached_tokens"] for c in calls["incremental"][0]][1:] == [9, 3 * 6]
+    table = format_table(calls)
+    assert "3 (3-3)" in table and "0.33x" in table  # iteration 3: 3 of 9 steps scored
