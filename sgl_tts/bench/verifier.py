@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
 ARMS = ("full", "incremental")
-MEASURES = ("input_tokens", "cached_tokens", "scored_steps", "time_ms")
+MEASURES = ("input_tokens", "cached_tokens", "computed_tokens", "scored_steps", "time_ms")
 
 
 class CallLog(StepScorer):
@@ -40,7 +40,8 @@ class CallLog(StepScorer):
         began = time.monotonic()
         scores = self.inner.score_into(prompt, paths, counts)
         with self._calls_lock:
-            self.calls.append({**counts.as_dict(), "time_ms": 1000 * (time.monotonic() - began)})
+            self.calls.append({**counts.as_dict(), "computed_tokens": counts.input_tokens - counts.cached_tokens,
+                               "time_ms": 1000 * (time.monotonic() - began)})
         return scores
 
     def take(self) -> list[dict[str, float]]:
