@@ -20,7 +20,7 @@ from typing import Sequence
 from sglang.lang.backend.base_backend import BaseBackend
 
 from sgl_tts.frontend.backend import SearchBackend
-from sgl_tts.scoring.base import StepScorer
+from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
 EOS_ID = 2
 
@@ -120,7 +120,11 @@ class ScriptedBackend(SearchBackend, BaseBackend):
 
 
 class ScriptedScorer(StepScorer):
-    """Step score in [0, 1) from a hash of the path up to and including the step."""
+    """Step score in [0, 1) from a hash of the path up to and including the step.
+
+    `calls` holds the paths of every `score` call (what the search asked); `scored` the (path, first new
+    step) pairs the incremental layer passed on to be scored, and it counts one input token per character of
+    the path, the characters of the known steps as cached."""
 
     name = "scripted"
 
@@ -128,17 +132,24 @@ class ScriptedScorer(StepScorer):
         super().__init__()
         self.salt = salt
         self.calls: list[list[list[str]]] = []
+        self.scored: list[tuple[tuple[str, ...], int]] = []
 
     def step_score(self, prompt: str, steps: Sequence[str]) -> float:
         return (_hash(self.salt, prompt, *steps) % 10_000) / 10_000
 
-    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
+    def score_into(self, prompt: str, paths: Sequence[Sequence[str]], counts: ScoreCounts) -> list[list[float]]:
         with self._lock:
             self.calls.append([list(p) for p in paths])
+        return super().score_into(prompt, paths, counts)
+
+    def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
         out = []
-        for steps in paths:
-            self._count(sum(len(s) for s in steps))
-            out.append([self.step_score(prompt, steps[: i + 1]) for i in range(len(steps))])
+        for steps, first in zip(paths, first_new):
+            with self._lock:
+                self.scored.append((tuple(steps), first))
+            self._count(sum(len(s) for s in steps), sum(len(s) for s in steps[:first]), counts)
+            out.append([self.step_score(prompt, steps[: i + 1]) for i in range(first, len(steps))])
         return out
 
 

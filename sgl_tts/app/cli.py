@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.fasttts import add_bench_fasttts_parser
 
     add_bench_fasttts_parser(bench_commands)
+    from sgl_tts.bench.verifier import add_bench_verifier_parser
+
+    add_bench_verifier_parser(bench_commands)
 
     plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
     plan_commands = plan.add_subparsers(dest="plan", required=True)

@@ -113,5 +113,25 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     return ended
 
 
+def settle_failed_states() -> int:
+    """Let every program state whose worker thread has ended (a failed generation ends it) be collected safely;
+    returns how many.
+
+    A failed state sits in a reference cycle (its stored error's traceback holds the worker's frame), so the
+    garbage collector frees it, at whatever allocation it runs. Its `__del__` asks the ended thread
+    `is_alive()`, which the first time takes threading's shutdown lock; when the collection runs inside
+    threading's own bookkeeping (a new thread starting), that lock is already held and the process hangs.
+    Asking once here, outside the collector, makes the later call lock-free. Called when a search fails.
+    """
+    from sglang.lang.interpreter import StreamExecutor
+
+    settled = 0
+    for obj in gc.get_objects():
+        if type(obj) is StreamExecutor and obj.use_thread and obj.error_ is not None:
+            obj.worker.join(timeout=5.0)
+            settled += 1
+    return settled
+
+
 # threading's own exit hook runs before non-daemon threads are joined (atexit runs after, too late).
 getattr(threading, "_register_atexit", lambda fn: None)(end_program_states)

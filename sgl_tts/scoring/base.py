@@ -1,14 +1,22 @@
-"""Step scorers and score aggregation.
+"""Step scorers, incremental scoring, and score aggregation.
 
 A scorer gives one score in [0, 1] per reasoning step of each path; how the step scores of a path become one
 number (last, min, prod, mean) is a separate, named aggregation (STYLE: score per step, aggregate apart).
+
+Incremental scoring: the score of step k depends only on the prompt and steps 1..k, so a search that scores
+its paths every iteration re-scores nothing it has scored before. `StepScorer.score` looks each path up in a
+bounded memo keyed by (prompt, steps); the longest memoized prefix gives the scores of the first steps, and
+the subclass hook `score_new_steps` scores only the rest, so a child pays for its own step only and the
+verifier runtime can serve the question and the earlier steps from its radix cache.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from abc import ABC, abstractmethod
+from abc import ABC
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from sgl_tts.registry import Registry
@@ -19,6 +27,8 @@ AGGREGATIONS: Registry[Callable[[Sequence[float]], float]] = Registry("aggregati
     "prod": math.prod,
     "mean": lambda scores: sum(scores) / len(scores),
 })
+
+DEFAULT_MEMO_PATHS = 4096
 
 
 def aggregate(step_scores: Sequence[float], strategy: str) -> float:
@@ -31,21 +41,152 @@ class ScorerError(RuntimeError):
     """The scorer's runtime failed; the message names the runtime."""
 
 
+@dataclass
+class ScoreCounts:
+    """What one `score` call cost. Filled from several threads (the request threads of one call)."""
+
+    paths: int = 0
+    steps: int = 0  # steps of all paths in the call
+    scored_steps: int = 0  # steps the verifier model scored (the rest came from the memo)
+    requests: int = 0  # prompts sent to the verifier runtime
+    input_tokens: int = 0  # prompt tokens of those requests (SGLang meta_info prompt_tokens)
+    cached_tokens: int = 0  # of which the runtime served from its radix cache (meta_info cached_tokens)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_request(self, input_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.input_tokens += input_tokens
+            self.cached_tokens += cached_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in
+                ("paths", "steps", "scored_steps", "requests", "input_tokens", "cached_tokens")}
+
+
+@dataclass
+class ScoredPaths:
+    scores: list[list[float]]  # one list per path, one score per step
+    counts: ScoreCounts
+
+
+class StepMemo:
+    """Thread-safe LRU map (prompt, steps) -> the path's step scores, holding at most `max_paths` paths."""
+
+    def __init__(self, max_paths: int = DEFAULT_MEMO_PATHS):
+        if max_paths < 1:
+            raise ValueError(f"memo size must be at least 1 path, got {max_paths}")
+        self.max_paths = max_paths
+        self._entries: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest_prefix(self, prompt: str, steps: tuple[str, ...]) -> tuple[float, ...]:
+        """The scores of the longest memoized prefix of `steps` (empty when none is memoized)."""
+        with self._lock:
+            for end in range(len(steps), 0, -1):
+                key = (prompt, steps[:end])
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    return self._entries[key]
+        return ()
+
+    def put(self, prompt: str, steps: tuple[str, ...], scores: Sequence[float]) -> None:
+        assert len(scores) == len(steps), f"memo entry with {len(steps)} steps got {len(scores)} scores"
+        with self._lock:
+            self._entries[(prompt, steps)] = tuple(scores)
+            self._entries.move_to_end((prompt, steps))
+            while len(self._entries) > self.max_paths:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert len(self._entries) <= self.max_paths, f"memo holds {len(self._entries)} > {self.max_paths} paths"
+            for (_, steps), scores in self._entries.items():
+                assert len(scores) == len(steps), f"memo entry of {len(steps)} steps holds {len(scores)} scores"
+
+
 class StepScorer(ABC):
-    """Scores every step of each path. `prompt` is the formatted prompt the generator saw."""
+    """Scores every step of each path. `prompt` is the formatted prompt the generator saw.
+
+    A scorer kind implements `score_new_steps` and gets incremental scoring (memo, dedup, counts) from
+    `score`. A scorer that overrides `score` itself scores whole paths every call (test doubles do).
+    """
 
     name = "scorer"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.tokens_processed = 0  # prompt tokens the scorer's model read (for FLOPs accounting)
+        self.tokens_cached = 0  # of which its runtime served from the radix cache
         self.requests = 0
+        self.incremental = True
+        self.memo = StepMemo()
 
-    @abstractmethod
+    def set_incremental(self, incremental: bool, memo_paths: int = DEFAULT_MEMO_PATHS) -> None:
+        """Off: every call scores every step from the first (the naive baseline). On: a fresh memo."""
+        self.incremental = incremental
+        self.memo = StepMemo(memo_paths)
+
     def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
         """Per-step scores in [0, 1]: one list per path, one score per step."""
+        return self.score_into(prompt, paths, ScoreCounts())
 
-    def _count(self, tokens: int) -> None:
+    def score_counted(self, prompt: str, paths: Sequence[Sequence[str]]) -> ScoredPaths:
+        """`score` and what it cost: verifier requests, input and cached tokens, steps scored. For a scorer
+        that overrides `score` only the paths and steps are counted."""
+        counts = ScoreCounts()
+        if type(self).score is not StepScorer.score:
+            counts.paths, counts.steps = len(paths), sum(len(p) for p in paths)
+            return ScoredPaths([list(s) for s in self.score(prompt, paths)], counts)
+        return ScoredPaths(self.score_into(prompt, paths, counts), counts)
+
+    def score_into(self, prompt: str, paths: Sequence[Sequence[str]], counts: ScoreCounts) -> list[list[float]]:
+        """`score`, adding its cost to `counts`: memoized steps are looked up, the rest scored."""
+        counts.paths += len(paths)
+        counts.steps += sum(len(p) for p in paths)
+        keys = [tuple(p) for p in paths]
+        if not self.incremental:  # the baseline: every path, duplicates included, from its first step
+            return self._score_new(prompt, keys, [0] * len(keys), counts)
+        known = {key: self.memo.longest_prefix(prompt, key) for key in keys}
+        todo = [key for key in dict.fromkeys(keys) if len(known[key]) < len(key)]  # unique, in order
+        new = self._score_new(prompt, todo, [len(known[key]) for key in todo], counts)
+        for key, new_scores in zip(todo, new):
+            known[key] = (*known[key], *new_scores)
+            self.memo.put(prompt, key, known[key])
+        return [list(known[key]) for key in keys]
+
+    def _score_new(self, prompt: str, paths: Sequence[tuple[str, ...]], first_new: Sequence[int],
+                   counts: ScoreCounts) -> list[list[float]]:
+        """`score_new_steps`, checked: one list per path of exactly its new steps' scores."""
+        counts.scored_steps += sum(len(p) - first for p, first in zip(paths, first_new))
+        if not paths:
+            return []
+        new = self.score_new_steps(prompt, paths, first_new, counts)
+        if len(new) != len(paths):
+            raise ScorerError(f"scorer '{self.name}' returned {len(new)} paths for {len(paths)}")
+        for steps, first, scores in zip(paths, first_new, new):
+            if len(scores) != len(steps) - first:
+                raise ScorerError(f"scorer '{self.name}' returned {len(scores)} scores for "
+                                  f"{len(steps) - first} new steps")
+        return [list(scores) for scores in new]
+
+    def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
+        """Scores of steps first_new[i]: of each path i, the earlier steps being known; report every
+        runtime request with `self._count(input_tokens, cached_tokens, counts)`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score_new_steps (or override score)")
+
+    def _count(self, tokens: int, cached: int = 0, counts: ScoreCounts | None = None) -> None:
         with self._lock:
             self.tokens_processed += tokens
+            self.tokens_cached += cached
             self.requests += 1
+        if counts is not None:
+            counts.add_request(tokens, cached)

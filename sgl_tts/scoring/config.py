@@ -26,6 +26,10 @@ class ScorerConfig:
     system_prompt: str | None = None  # None: the model card's prompt (sgl_tts.scoring.prm_models.client)
     # PRMs read the question, not the generator's prompt: the last match of group 1 in the prompt.
     question_pattern: str = r"<\|im_start\|>user\n(.*?)<\|im_end\|>"
+    # Score only steps not scored before (sgl_tts.scoring.base); false re-scores every path from its first
+    # step each call (the naive baseline). memo_paths bounds the memo of scored paths.
+    incremental: bool = True
+    memo_paths: int = 4096
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,6 +45,8 @@ class ScorerConfig:
                 raise ValueError(f"{name} must be a token id (int >= 0) or null, got {value!r}")
         if self.positive_token_id is not None and self.positive_token_id == self.negative_token_id:
             raise ValueError(f"positive_token_id and negative_token_id must differ, both are {self.positive_token_id}")
+        if self.memo_paths < 1:
+            raise ValueError(f"memo_paths must be at least 1, got {self.memo_paths}")
         try:
             groups = re.compile(self.question_pattern).groups
         except re.error as exc:

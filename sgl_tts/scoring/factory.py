@@ -23,4 +23,6 @@ assert tuple(SCORERS) == KINDS, "ScorerConfig's KINDS and the SCORERS registry m
 
 def make_scorer(config: ScorerConfig, runtime: Any, tokenizer: Any) -> StepScorer:
     """The configured scorer, reading from `runtime` (a started Runtime) with `tokenizer`."""
-    return SCORERS[config.kind](config, runtime, tokenizer)
+    scorer = SCORERS[config.kind](config, runtime, tokenizer)
+    scorer.set_incremental(config.incremental, config.memo_paths)
+    return scorer

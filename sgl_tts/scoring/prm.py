@@ -21,16 +21,20 @@ from abc import abstractmethod
 from typing import Any, Sequence
 
 from sgl_tts.runtime.server import RuntimeConfig, http_json, request_timeout
-from sgl_tts.scoring.base import ScorerError, StepScorer
+from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
 from sgl_tts.scoring.config import ScorerConfig
 
 
-def classifier_runtime_config(model: str, **overrides: Any) -> RuntimeConfig:
-    """The runtime a step-classifier PRM needs (embedding mode, our model class, its memory knobs)."""
+def classifier_runtime_config(model: str, cached: bool = False, **overrides: Any) -> RuntimeConfig:
+    """The runtime a step-classifier PRM needs (our model class, its memory knobs): embedding mode without
+    a radix cache, or with `cached` generation mode, where the folded head is read through logprobs and the
+    radix cache serves the known steps (sgl_tts.scoring.prm_models.qwen2_prm)."""
     from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
 
-    settings: dict[str, Any] = dict(model=model, is_embedding=True, extra_args=list(SERVER_ARGS),
-                                    env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3, max_total_tokens=16384)
+    settings: dict[str, Any] = dict(model=model, env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3,
+                                    max_total_tokens=16384)
+    if not cached:
+        settings.update(is_embedding=True, extra_args=list(SERVER_ARGS))
     settings.update(overrides)
     return RuntimeConfig(**settings)
 
@@ -102,35 +106,29 @@ class LogprobTagScorer(_RuntimePRM):
             positions.append(ending_at[offset])
         return ids, positions
 
-    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
+    def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
         question = self.question_of(prompt)
-        requests = []
-        for steps in paths:
-            ids, positions = self.readout_positions(*self.layout(question, steps)) if steps else ([], [])
-            requests.append((ids, positions))
-        todo = [r for r in requests if r[1]]
-        if not todo:
-            return [[] for _ in paths]
+        requests = [self.readout_positions(*self.layout(question, steps)) for steps in paths]
         # Logprob entry j of the input is the distribution at position start + j - 1 (the one predicting
-        # token start + j); the last position's distribution is the first output token's.
+        # token start + j); the last position's distribution is the first output token's. Starting at the
+        # first new step's readout lets the runtime serve everything before it from its radix cache (it
+        # serves cached tokens only up to logprob_start_len).
+        starts = [positions[first] for (_, positions), first in zip(requests, first_new)]
         answers = self.post("/generate", {
-            "input_ids": [ids for ids, _ in todo],
+            "input_ids": [ids for ids, _ in requests],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True,
-            "logprob_start_len": [positions[0] for _, positions in todo],
+            "logprob_start_len": starts,
             "token_ids_logprob": [self.positive_id, self.negative_id],
         })
-        answers = iter(answers if isinstance(answers, list) else [answers])
+        answers = answers if isinstance(answers, list) else [answers]
         out = []
-        for ids, positions in requests:
-            if not positions:
-                out.append([])
-                continue
-            meta = next(answers)["meta_info"]
-            self._count(len(ids))
-            start = positions[0]
+        for (ids, positions), first, start, answer in zip(requests, first_new, starts, answers, strict=True):
+            meta = answer["meta_info"]
+            self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
             scores = []
-            for position in positions:
+            for position in positions[first:]:
                 if position + 1 < len(ids):
                     entry = meta["input_token_ids_logprobs"][position + 1 - start]
                 else:
@@ -182,25 +180,47 @@ class RLHFlowScorer(LogprobTagScorer):
         return text, offsets, False
 
 
-class ClassifierPRMScorer(_RuntimePRM):
-    """P(correct) at the step token after every step, from a `Qwen2ForProcessRewardModel` runtime."""
+class ClassifierPRMScorer(LogprobTagScorer):
+    """P(correct) at the step token after every step, from a `Qwen2ForProcessRewardModel` runtime.
+
+    On a generation runtime (`classifier_runtime_config(model, cached=True)`) the model folds its head into
+    the LM head, so the scorer reads P(correct) like a logprob-tag PRM, from the first new step's token on,
+    and the runtime serves the question and the known steps from its radix cache. On an embedding runtime
+    (`--is-embedding`, no radix cache) it reads every step token through `/encode`.
+    """
 
     name = "classifier"
 
     def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
-        super().__init__(config, runtime, tokenizer)
+        from sgl_tts.scoring.prm_models import CORRECT_TOKEN, INCORRECT_TOKEN
+
+        _RuntimePRM.__init__(self, config, runtime, tokenizer)
         self.step_token_id = tokenizer.convert_tokens_to_ids(config.step_token)
         if self.step_token_id is None or self.step_token_id == tokenizer.unk_token_id:
             raise ValueError(f"scorer.step_token {config.step_token!r} is not a token of the PRM's tokenizer")
+        self.positive_id, self.negative_id = CORRECT_TOKEN, INCORRECT_TOKEN
+        self.embedding = getattr(getattr(runtime, "config", None), "is_embedding", True)
 
-    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
-        from sgl_tts.scoring.prm_models.client import SYSTEM_PROMPT, batch_classifier_step_rewards, build_prm_text
+    def texts(self, question: str, paths: Sequence[Sequence[str]]) -> list[str]:
+        from sgl_tts.scoring.prm_models.client import SYSTEM_PROMPT, build_prm_text
 
-        question = self.question_of(prompt)
         step_token = self.config.step_token
         # A step that spells the step token itself would add a readout: drop it from the step text.
-        texts = [build_prm_text(question, [step.replace(step_token, "") for step in steps],
-                                self.config.system_prompt or SYSTEM_PROMPT, step_token) for steps in paths]
+        return [build_prm_text(question, [step.replace(step_token, "") for step in steps],
+                               self.config.system_prompt or SYSTEM_PROMPT, step_token) for steps in paths]
+
+    def layout(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], bool]:
+        (text,) = self.texts(question, [steps])
+        ends = [match.end() for match in re.finditer(re.escape(self.config.step_token), text)]
+        return text, ends[len(ends) - len(steps):], False
+
+    def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
+        if not self.embedding:
+            return super().score_new_steps(prompt, paths, first_new, counts)
+        from sgl_tts.scoring.prm_models.client import batch_classifier_step_rewards
+
+        texts = self.texts(self.question_of(prompt), paths)
         try:
             rewards = batch_classifier_step_rewards(self.runtime.url, texts, self.step_token_id,
                                                     timeout=request_timeout(self.runtime))
@@ -208,8 +228,9 @@ class ClassifierPRMScorer(_RuntimePRM):
             self.runtime.check_alive()
             raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
         for steps, text, path_rewards in zip(paths, texts, rewards):
-            self._count(len(self.tokenizer(text, add_special_tokens=False).input_ids))
+            # The embedding runtime runs without a radix cache (see prm_models): every token is read again.
+            self._count(len(self.tokenizer(text, add_special_tokens=False).input_ids), 0, counts)
             if len(path_rewards) != len(steps):
                 raise ScorerError(f"scorer runtime '{self.runtime.name}' returned {len(path_rewards)} step rewards "
                                   f"for {len(steps)} steps")
-        return [list(r) for r in rewards]
+        return [list(r[first:]) for r, first in zip(rewards, first_new)]

@@ -15,7 +15,7 @@ import sglang as sgl
 
 from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.frontend.ledger import RequestLedger
-from sgl_tts.frontend.sglang_internals import backend_of, wait_meta
+from sgl_tts.frontend.sglang_internals import backend_of, settle_failed_states, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
 from sgl_tts.search.grading import extract_answer
@@ -164,9 +164,13 @@ class SearchTracker:
         if not paths:
             return
         began = time.monotonic()
-        scores = scorer.score(prompt, [p.steps for p in paths])
-        self.verifier_time_s += time.monotonic() - began
+        scored = scorer.score_counted(prompt, [p.steps for p in paths])
+        scores = scored.scores
+        seconds = time.monotonic() - began
+        self.verifier_time_s += seconds
         self.verifier_calls += 1
+        # per verification: paths, steps scored, the verifier's input and radix-cached tokens, its time
+        self.extra.setdefault("verifier_iterations", []).append({**scored.counts.as_dict(), "time_s": seconds})
         for path, path_scores in zip(paths, scores):
             assert len(path_scores) == len(path.steps), "scorer must return one score per step"
             path.step_scores = list(path_scores)
@@ -326,6 +330,7 @@ RUNTIME_FAILURES = (ScorerError, RuntimeDiedError, GeneratorError)  # what a pro
 def search_failed(problem_id: str, program: str, finished: Sequence[Path], config: SearchConfig,
                   tracker: SearchTracker, exc: BaseException) -> SearchError:
     """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
+    settle_failed_states()
     message = f"{program} stopped: {exc}"
     return SearchError(message, build_result(problem_id, program, finished, config, tracker, error=message))
 

@@ -2,20 +2,29 @@
 
 Qwen2.5-Math-PRM applies a 2-layer head, Linear(h, h) -> ReLU -> Linear(h, 2), to the last hidden
 state of every token; the reward of step i is softmax(head logits at the i-th step token `<extra_0>`)[1].
-This class runs in SGLang's embedding path (`--is-embedding`, `/encode`): for each request it returns a
-[num_readouts, 2] tensor of class probabilities, which `/encode` answers as `"embedding": [[p0, p1], ...]`.
+The class runs in either of SGLang's two paths:
 
-Readout positions of a request, in order of precedence:
+**Embedding path** (`--is-embedding`, `/encode`): for each request it returns a [num_readouts, 2] tensor of
+class probabilities, which `/encode` answers as `"embedding": [[p0, p1], ...]`. Readout positions of a
+request, in order of precedence:
 1. `token_indices_to_pool` of the request (SGLang's multi-position readout field of `/encode`): positions
    in the full prompt. `sgl_tts.scoring.prm_models.client` sends the positions of the step token.
 2. every occurrence of `config.step_token_id`, when the config names it (the tiny test checkpoint does;
    for the real checkpoint add `--json-model-override-args '{"step_token_id": 151651}'`).
 3. otherwise the last token, a single whole-response score.
-
 Positions are full-prompt coordinates, so the runtime must prefill each request whole: the class refuses
 to start without `--disable-radix-cache` and `--chunked-prefill-size -1` (a step token in a cached prefix
 or an earlier chunk would be silently skipped), the same rule SGLang applies to its own multi-position
-scoring.
+scoring. The embedding path has no `logprob_start_len` to cap the prefix match at, so it cannot use the
+radix cache.
+
+**Generation path** (no `--is-embedding`, `/generate` with logprobs): the head is folded into the LM head.
+The head's two logits (l0, l1) at every token, with a constant 1, are the "hidden state" [l0, l1, 1] given
+to SGLang's logits processor with a [vocab, 3] LM head whose row 0 reads l0, row 1 reads l1 and every other
+row is -1e4 (exp(-1e4) is 0 in fp32). Then log P(token 1) - log P(token 0) = l1 - l0 at every position, so
+P(correct) = sigmoid(l1 - l0) is read from `token_ids_logprob=[0, 1]` at the step token, through the same
+logprob path as the logprob-tag PRMs: with the radix cache on, chunked prefill on, and cached prefix
+tokens served up to `logprob_start_len` (sgl_tts.scoring.prm.ClassifierPRMScorer).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 from torch import nn
 from transformers import Qwen2Config
 
+from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.pooler import EmbeddingPoolerOutput
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -33,6 +43,10 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.qwen2 import Qwen2Model
 from sglang.srt.runtime_context import get_memory, get_model, get_schedule
 from sglang.srt.utils import add_prefix
+
+from sgl_tts.scoring.prm_models import CORRECT_TOKEN, INCORRECT_TOKEN
+
+_ABSENT_LOGIT = -1e4  # every other token's logit; exp(-1e4) underflows to 0 in fp32, bf16 and fp16
 
 # SGLang fuses q/k/v and gate/up into one parameter each: (fused name, checkpoint name, shard id).
 _STACKED_PARAMS = (
@@ -55,12 +69,18 @@ class Qwen2ForProcessRewardModel(nn.Module):
             nn.Linear(config.hidden_size, config.hidden_size), nn.ReLU(), nn.Linear(config.hidden_size, 2)
         )
         self.step_token_id = getattr(config, "step_token_id", None)
+        if not get_model().is_embedding:
+            self.logits_processor = LogitsProcessor(config)
+            self.folded_head = FoldedHead(config.vocab_size)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = True) -> EmbeddingPoolerOutput:
-        assert get_embedding, "Qwen2ForProcessRewardModel runs only as an embedding model (--is-embedding)"
+                input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = False):
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
+        if not get_embedding:
+            class_logits = self.score(hidden_states).float()
+            features = torch.cat([class_logits, torch.ones_like(class_logits[:, :1])], dim=-1)
+            return self.logits_processor(input_ids, features.to(hidden_states.dtype), self.folded_head, forward_batch)
         rows = self._readout_rows(input_ids, forward_batch)
         flat = torch.cat(rows).to(hidden_states.device)
         probs = torch.softmax(self.score(hidden_states[flat]).float(), dim=-1)
@@ -105,10 +125,21 @@ class Qwen2ForProcessRewardModel(nn.Module):
         return loaded
 
 
+class FoldedHead(nn.Module):
+    """A [vocab, 3] LM head over the features [l0, l1, 1]: token 0 gets l0, token 1 gets l1, the rest -1e4."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        weight = torch.zeros(vocab_size, 3)
+        weight[INCORRECT_TOKEN, 0] = weight[CORRECT_TOKEN, 1] = 1.0
+        weight[2:, 2] = _ABSENT_LOGIT
+        self.register_buffer("weight", weight)  # not a checkpoint tensor: a buffer, not a parameter
+
+
 def _check_server_args() -> None:
-    problems = []
     if not get_model().is_embedding:
-        problems.append("--is-embedding (it runs in the embedding path)")
+        return  # generation path: the logprob path handles cached prefixes and chunks itself
+    problems = []
     if not get_memory().disable_radix_cache:
         problems.append("--disable-radix-cache (a step token in a cached prefix would not be read out)")
     chunked = get_schedule().chunked_prefill_size
