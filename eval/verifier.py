@@ -12,6 +12,7 @@ problem), both accuracies, step AUROC, scoring time and tokens, one row per conf
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,13 +59,10 @@ def score_solutions(arm: str, scorer: Any, prompt_of: Any, solutions: Sequence[L
     began = time.monotonic()
 
     def one(solution: LabelledSolution) -> None:
-        tokens_before = scorer.tokens_processed
         start = time.monotonic()
         scores = scorer.score(prompt_of(solution.problem), [solution.search_steps()])[0]
         store.append({"problem_id": f"{arm}/{solution.id}", "arm": arm, "id": solution.id, "label": solution.label,
-                      "scores": scores, "seconds": time.monotonic() - start,
-                      # with concurrent requests this is approximate; the arm's total is exact
-                      "tokens": scorer.tokens_processed - tokens_before})
+                      "scores": scores, "seconds": time.monotonic() - start})
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for done, _ in enumerate(pool.map(one, solutions), start=1):
@@ -85,25 +83,25 @@ def summarise(records: list[dict[str, Any]], solutions: Sequence[LabelledSolutio
         "accuracy_correct": 100 * f1.accuracy_correct, "auroc": step_auroc(scores, labels),
         "thresholds": [thresholds[k] for k in sorted(thresholds)],
         "seconds_per_solution": statistics.median(r["seconds"] for r in records),
-        "tokens": sum(r["tokens"] for r in records),
     }
 
 
 def render_summary(rows: dict[str, dict[str, Any]], header: str) -> str:
     lines = [f"# Verifier evaluation\n\n{header}\n",
              "| config | solutions | F1 | acc. erroneous | acc. correct | step AUROC | thresholds | "
-             "s/solution (median) | tokens | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "s/solution (median) | tokens | wall s | tokens/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for arm, row in rows.items():
-        wall = row.get("wall_s")
+        wall = row["wall_s"]
         lines.append(f"| {arm} | {row['solutions']} | {row['f1']:.1f} | {row['accuracy_erroneous']:.1f} | "
                      f"{row['accuracy_correct']:.1f} | {row['auroc']:.3f} | "
                      f"{', '.join(f'{t:.3g}' for t in row['thresholds'])} | {row['seconds_per_solution']:.2f} | "
-                     f"{row['tokens']} | {'-' if wall is None else f'{wall:.0f}'} |")
+                     f"{row['tokens']} | {wall:.0f} | {row['tokens'] / wall if wall else float('nan'):.0f} |")
     lines.append("\nF1: threshold chosen on one fold (by problem), applied to the other; a solution's predicted "
                  "first error is its first step scored below it. Step AUROC: first wrong steps against the "
-                 "correct steps (before the first wrong one, and all steps of correct solutions). Wall time "
-                 "is that of the last session that scored the arm (it covers only what that session scored).")
+                 "correct steps (before the first wrong one, and all steps of correct solutions). Tokens: prompt "
+                 "tokens sent to the scorer's runtime (cached ones included); wall time summed over the sessions "
+                 "that scored the arm.")
     return "\n".join(lines) + "\n"
 
 
@@ -113,17 +111,19 @@ def cmd_eval_verifier(args: argparse.Namespace) -> int:
     arms = {arm_name(path): load_run_config(path) for path in args.config}
     if len(arms) != len(args.config):
         raise ConfigError("two --config files have the same file name; each arm is named by its file's stem")
-    solutions = select_part(load_labelled(args.data), args.part)[:args.limit]
+    solutions = select_part(load_labelled(args.data), args.part)
+    if args.limit is not None:  # a seeded sample: the file may be sorted (e.g. erroneous solutions first)
+        solutions = [solutions[i] for i in sorted(random.Random(0).sample(range(len(solutions)),
+                                                                           min(args.limit, len(solutions))))]
     out = Path(args.out or Path("runs") / ("verifier-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")))
     store = ResultStore(out / "results.jsonl")
     options = {"data": args.data, "part": args.part, "limit": args.limit, "folds": args.folds}
     for run in store.runs():
-        if run.get("config", {}).get("options") != options:
+        if "config" in run and run["config"].get("options") != options:
             raise ConfigError(f"{out} holds a verifier run with other options {run.get('config', {}).get('options')}; "
                               "use another --out")
     store.append_run(provenance({"options": options, "arms": {a: to_dict(c) for a, c in arms.items()}}))
     done = store.done_ids()
-    walls: dict[str, float] = {}
     for arm, config in arms.items():
         todo = [s for s in solutions if f"{arm}/{s.id}" not in done]
         print(f"{arm}: scorer {config.scorer.kind}, {len(todo)} of {len(solutions)} solutions to score", flush=True)
@@ -131,15 +131,18 @@ def cmd_eval_verifier(args: argparse.Namespace) -> int:
             continue
         scorer, prompt_of, runtimes = start_scorer(config, out / "logs")
         try:
-            walls[arm] = score_solutions(arm, scorer, prompt_of, todo, store, args.concurrency)
+            wall = score_solutions(arm, scorer, prompt_of, todo, store, args.concurrency)
+            store.append_run({"arm": arm, "scored": len(todo), "wall_s": wall, "tokens": scorer.tokens_processed})
         finally:
             for runtime in runtimes:
                 runtime.stop()
     records = store.records()
+    sessions = [run for run in store.runs() if "arm" in run]
     rows = {}
     for arm in arms:
         rows[arm] = summarise([r for r in records if r["arm"] == arm], solutions, args.folds)
-        rows[arm]["wall_s"] = walls.get(arm)
+        rows[arm]["wall_s"] = sum(run["wall_s"] for run in sessions if run["arm"] == arm)
+        rows[arm]["tokens"] = sum(run["tokens"] for run in sessions if run["arm"] == arm)
     header = (f"{len(solutions)} solutions of {args.data or 'processbench-math'} (part {args.part}), "
               f"{args.folds} folds.")
     summary = render_summary(rows, header)

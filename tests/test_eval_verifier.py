@@ -35,8 +35,8 @@ def data(tmp_path):
     rows = []
     for i in range(24):
         steps = [f"step {i} {'x' * (i % 5 + k)}" for k in range(i % 4 + 1)]
-        rows.append({"id": f"s{i}", "problem": f"problem {i // 2}", "steps": steps, "label": i % 5 - 1
-                     if i % 5 - 1 < len(steps) else -1})
+        label = -1 if i % 3 == 0 else min(i % 5, len(steps) - 1)
+        rows.append({"id": f"s{i}", "problem": f"problem {i // 2}", "steps": steps, "label": label})
     path = tmp_path / "pb.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -86,7 +86,10 @@ def test_scores_every_solution_once_and_summarises_with_the_metric_functions(dat
     summary = verifier.summarise(mine, list(solutions.values()), 2)
     assert summary["f1"] == pytest.approx(100 * f1.f1)
     assert summary["auroc"] == pytest.approx(step_auroc(scores, labels))
-    assert summary["solutions"] == 24 and summary["tokens"] == 240
+    assert summary["solutions"] == 24
+    sessions = [run for run in ResultStore(out / "results.jsonl").runs() if "arm" in run]
+    assert [(run["arm"], run["scored"], run["tokens"]) for run in sessions] == [
+        ("likelihood-arm", 24, 240), ("other-arm", 24, 240)]
     text = (out / "summary.md").read_text()
     assert "| likelihood-arm | 24 |" in text and "| other-arm | 24 |" in text
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import numpy as np
@@ -101,3 +102,9 @@ def test_f1_is_the_harmonic_mean_of_the_two_accuracies():
 def test_a_label_outside_the_steps_is_refused():
     with pytest.raises(ValueError, match="label 3"):
         f1_at_thresholds([[0.5, 0.5]], [3], [0.5])
+
+
+def test_without_both_kinds_of_solution_there_is_no_f1_and_no_threshold():
+    assert math.isnan(processbench_f1([0, 1], [0, 1]).f1)
+    with pytest.raises(ValueError, match="both erroneous and correct"):
+        best_threshold([[0.5, 0.2], [0.1]], [1, 0])

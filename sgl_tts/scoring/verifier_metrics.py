@@ -66,7 +66,7 @@ def processbench_f1(predictions: Sequence[int], labels: Sequence[int]) -> F1Resu
     hits_cor = [p == -1 for p, y in zip(predictions, labels) if y < 0]
     a = float(np.mean(hits_err)) if hits_err else float("nan")
     b = float(np.mean(hits_cor)) if hits_cor else float("nan")
-    f1 = 2 * a * b / (a + b) if a + b > 0 else 0.0
+    f1 = float("nan") if np.isnan(a + b) else 2 * a * b / (a + b) if a + b > 0 else 0.0
     return F1Result(f1, a, b, len(hits_err), len(hits_cor))
 
 
@@ -109,6 +109,8 @@ def f1_at_thresholds(step_scores: Sequence[Sequence[float]], labels: Sequence[in
 def best_threshold(step_scores: Sequence[Sequence[float]], labels: Sequence[int]) -> float:
     """The threshold with the highest F1 on these solutions: every distinct prediction is tried, each at the
     midpoint between neighbouring scores (so it transfers to other data without sitting on a score)."""
+    if len({label < 0 for label in labels}) < 2:
+        raise ValueError("choosing a threshold needs both erroneous and correct solutions; use more data")
     values = np.unique(np.concatenate([np.asarray(s, dtype=np.float64) for s in step_scores]))
     if not len(values):
         raise ValueError("no step scores to choose a threshold from")
