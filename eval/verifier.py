@@ -115,7 +115,7 @@ def cmd_eval_verifier(args: argparse.Namespace) -> int:
     if args.limit is not None:  # a seeded sample: the file may be sorted (e.g. erroneous solutions first)
         solutions = [solutions[i] for i in sorted(random.Random(0).sample(range(len(solutions)),
                                                                            min(args.limit, len(solutions))))]
-    out = Path(args.out or Path("runs") / ("verifier-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")))
+    out = Path(args.out or Path("results") / ("verifier-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")))
     store = ResultStore(out / "results.jsonl")
     options = {"data": args.data, "part": args.part, "limit": args.limit, "folds": args.folds}
     for run in store.runs():
