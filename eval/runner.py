@@ -658,6 +658,10 @@ def add_eval_parser(commands: Any) -> None:
                                                              "unless --config is given)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=cmd_eval)
+    from eval.verifier import add_verifier_parser
+
+    # Optional, so that `sgl-tts eval --config ...` runs an experiment as before.
+    add_verifier_parser(parser.add_subparsers(dest="eval_command", required=False, metavar="{verifier}"))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

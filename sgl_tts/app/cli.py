@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rsd_sweep_parser(commands)
 
+    from sgl_tts.scoring.probe_train import add_train_parser
+
+    add_train_parser(commands)  # sgl-tts train prm
+
     add_plugin_commands(commands)
     return parser
 

@@ -109,6 +109,7 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
             if not any(backend is b or origin is b for b in wanted):
                 continue
         obj.end()
+        obj.worker.join(timeout=5.0)  # joined here, not first asked by the collector (`settle_failed_states`)
         ended += 1
     return ended
 

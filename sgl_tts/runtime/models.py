@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from sgl_tts.paths import cache_dir
 
@@ -36,12 +37,25 @@ def models_dir() -> Path:
     return path
 
 
+# More built-in names, each with the function that provisions its folder, added by the layers above that
+# build them from these models (e.g. sgl_tts.scoring.probe's trained PRM checkpoint).
+_MORE_BUILTINS: dict[str, Callable[[], Path]] = {}
+
+
+def register_builtin_model(name: str, provision: Callable[[], Path]) -> None:
+    if name in BUILTIN_MODELS or _MORE_BUILTINS.get(name, provision) is not provision:
+        raise ValueError(f"built-in model {name!r} is registered twice")
+    _MORE_BUILTINS[name] = provision
+
+
 def resolve_model(name: str) -> str:
     """Return a local folder (or a hub id) for `name`, provisioning built-in models on first use."""
     if name == SMOLLM2:
         return str(provision_smollm2())
     if name == TINY_RANDOM:
         return str(provision_tiny_random())
+    if name in _MORE_BUILTINS:
+        return str(_MORE_BUILTINS[name]())
     path = Path(os.path.expanduser(name))
     if path.exists():
         if not (path / "config.json").is_file():
@@ -53,7 +67,7 @@ def resolve_model(name: str) -> str:
     if looks_like_hub_id and not os.environ.get("HF_HUB_OFFLINE"):
         return name
     raise ModelNotFoundError(
-        f"model {name!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), an existing folder, "
+        f"model {name!r} is neither a built-in name ({', '.join([*BUILTIN_MODELS, *_MORE_BUILTINS])}), an existing folder, "
         f"nor a reachable hub id: give a local Hugging Face folder or one of the built-in names"
     )
 

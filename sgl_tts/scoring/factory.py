@@ -9,6 +9,7 @@ from sgl_tts.scoring.base import StepScorer
 from sgl_tts.scoring.config import KINDS, ScorerConfig
 from sgl_tts.scoring.likelihood import LikelihoodScorer
 from sgl_tts.scoring.prm import ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer
+from sgl_tts.scoring.probe import ProbeScorer
 
 ScorerFactory = Callable[[ScorerConfig, Any, Any], StepScorer]  # (config, runtime, tokenizer) -> scorer
 
@@ -17,6 +18,7 @@ SCORERS: Registry[ScorerFactory] = Registry("scorer kind", {
     "math_shepherd": MathShepherdScorer,
     "rlhflow": RLHFlowScorer,
     "classifier": ClassifierPRMScorer,
+    "probe": ProbeScorer,  # a trained head on SmolLM2's hidden state (sgl_tts.scoring.probe)
 })
 assert tuple(SCORERS) == KINDS, "ScorerConfig's KINDS and the SCORERS registry must list the same kinds"
 

@@ -1,0 +1,218 @@
+"""The probe PRM: head files, the checkpoint that folds the head into an LM head, training, and its scorer.
+
+References: the features the head is trained on (`extract_features`, hooks on a transformers model), the
+built checkpoint run by transformers, a gradient check for the logistic fit, and (runtime tier) the scorer on
+a real SGLang CPU runtime. All on the tiny random-weight Llama, with a random head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.probe import (PROBE_FILE, ProbeHead, ProbeScorer, build_probe_checkpoint, readout_positions,
+                                   step_spans)
+from sgl_tts.scoring.probe_train import extract_features, fit_logistic, load_features
+from sgl_tts.scoring.step_labels import LabelledSolution
+
+TOLERANCE = 1e-4  # fp32 on both sides
+SOLUTIONS = [
+    LabelledSolution("a", "Tom has 3 apples and buys 4 more. How many?", ("Tom starts with 3.", "3 + 4 = 7.",
+                                                                         "The answer is 7."), -1),
+    LabelledSolution("b", "What is 2 + 2?", ("2 + 2 = 5.", "So the answer is 5."), -1),
+]
+
+
+@pytest.fixture(scope="module")
+def base_dir():
+    from sgl_tts.runtime.models import resolve_model
+
+    return resolve_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_dir)
+
+
+def random_head(layer: int, pooling: str, hidden: int = 64, seed: int = 0) -> ProbeHead:
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(hidden, generator=generator) / hidden**0.5).tolist()
+    return ProbeHead(base_model="tiny-random", layer=layer, pooling=pooling, weight=tuple(weight), bias=0.3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(base_dir, tmp_path_factory):
+    return build_probe_checkpoint(random_head(1, "last"), base_dir, tmp_path_factory.mktemp("probe"))
+
+
+def reference_scores(base_dir, head: ProbeHead, tmp_path: Path) -> list[list[float]]:
+    """sigmoid(w·feature + b) from the training features of each solution's steps."""
+    extract_features(base_dir, SOLUTIONS, [head.layer], tmp_path, progress=False)
+    features = load_features(SOLUTIONS, [head.layer], tmp_path)
+    logits = features.pooled[(head.pooling, head.layer)] @ np.array(head.weight) + head.bias
+    scores = 1 / (1 + np.exp(-logits))
+    return [scores[features.solution == i].tolist() for i in range(len(SOLUTIONS))]
+
+
+# --- fast tier -----------------------------------------------------------------------------------------
+
+def test_head_file_round_trips_and_refuses_bad_values(tmp_path):
+    head = random_head(2, "mean")
+    assert ProbeHead.load(head.save(tmp_path / "h.json")) == head
+    with pytest.raises(ValueError, match="pooling"):
+        ProbeHead(base_model="x", layer=1, pooling="max", weight=(1.0,), bias=0.0)
+    with pytest.raises(ValueError, match="finite"):
+        ProbeHead(base_model="x", layer=1, pooling="last", weight=(float("nan"),), bias=0.0)
+    (tmp_path / "bad.json").write_text(json.dumps({"layer": 1}))
+    with pytest.raises(ValueError, match="bad.json"):
+        ProbeHead.load(tmp_path / "bad.json")
+
+
+def test_step_spans_cover_each_step_and_extend_as_a_prefix(tokenizer):
+    ids, spans = step_spans(tokenizer, "Q: ", ["one\n\n", "two"])
+    assert [tokenizer.decode(ids[a:b]) for a, b in spans] == ["one\n\n", "two"]
+    longer, _ = step_spans(tokenizer, "Q: ", ["one\n\n", "two", " three"])
+    assert longer[:len(ids)] == ids
+    assert list(readout_positions((3, 6), "last")) == [5] and list(readout_positions((3, 6), "mean")) == [3, 4, 5]
+    with pytest.raises(ValueError, match="step 1 is empty"):
+        step_spans(tokenizer, "Q: ", ["one", ""])
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_checkpoint_logit_difference_equals_the_head_on_training_features(base_dir, tmp_path, pooling):
+    """Transformers runs the built checkpoint; w·h read as logit(+) - logit(-) matches the head on the features."""
+    from transformers import AutoModelForCausalLM
+
+    from sgl_tts.frontend.backend import chat_prompt
+
+    head = random_head(1, pooling)
+    folder = build_probe_checkpoint(head, base_dir, tmp_path / "ckpt")
+    probe = json.loads((folder / PROBE_FILE).read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert model.config.num_hidden_layers == 1 and not model.config.tie_word_embeddings
+    expected = reference_scores(base_dir, head, tmp_path / "features")
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(folder)
+    for solution, want in zip(SOLUTIONS, expected):
+        ids, spans = step_spans(tokenizer, chat_prompt(tokenizer, solution.problem), solution.search_steps())
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+        margin = logits[:, probe["positive_token_id"]] - logits[:, probe["negative_token_id"]]
+        got = [1 / (1 + math.exp(-(float(margin[list(readout_positions(s, pooling))].mean()) + probe["bias"])))
+               for s in spans]
+        assert got == pytest.approx(want, abs=TOLERANCE)
+
+
+def test_checkpoint_refuses_a_head_that_does_not_fit(base_dir, tmp_path):
+    with pytest.raises(ValueError, match="outside 1..2"):
+        build_probe_checkpoint(random_head(3, "last"), base_dir, tmp_path)
+    with pytest.raises(ValueError, match="hidden size 64"):
+        build_probe_checkpoint(random_head(1, "last", hidden=8), base_dir, tmp_path)
+
+
+def test_logistic_fit_is_a_stationary_point_and_deterministic():
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, size=(200, 5))
+    y = (x[:, 0] - 3 + rng.normal(size=200) > 0).astype(float)
+    l2 = 1e-2
+    w, b = fit_logistic(x, y, l2)
+    assert fit_logistic(x, y, l2)[0].tolist() == w.tolist()
+    # Gradient of mean BCE + l2/2 |v|^2 in the standardised coordinates v = w * sd.
+    mu, sd = x.mean(0), x.std(0) + 1e-8
+    z = (x - mu) / sd
+    p = 1 / (1 + np.exp(-(x @ w + b)))
+    grad_v = z.T @ (p - y) / len(y) + l2 * (w * sd)
+    assert np.abs(grad_v).max() < 1e-6 and abs((p - y).mean()) < 1e-6
+    assert w[0] > 0 and np.abs(w[1:]).max() < w[0] / 3
+
+
+class FakeRuntime:
+    """A /generate that answers like SGLang from the checkpoint run by transformers, and records requests."""
+
+    name, url = "probe", "http://fake"
+
+    def __init__(self, folder: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model_path = str(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        self.requests: list[dict] = []
+
+    def check_alive(self):
+        pass
+
+    def generate(self, payload: dict) -> list[dict]:
+        self.requests.append(payload)
+        answers = []
+        for ids, start in zip(payload["input_ids"], payload["logprob_start_len"]):
+            with torch.no_grad():
+                logprobs = torch.log_softmax(self.model(torch.tensor([ids])).logits[0], dim=-1)
+            wanted = payload["token_ids_logprob"]
+            row = lambda p: [[float(logprobs[p, t]), t, None] for t in wanted]  # noqa: E731
+            # entry j predicts token start + j, i.e. the distribution at position start + j - 1
+            answers.append({"meta_info": {
+                "input_token_ids_logprobs": [None if start + j == 0 else row(start + j - 1)
+                                             for j in range(len(ids) - start)],
+                "output_token_ids_logprobs": [row(len(ids) - 1)], "cached_tokens": 0}})
+        return answers
+
+
+def test_scorer_reads_each_step_once_and_matches_the_reference(checkpoint, base_dir, tokenizer, tmp_path, monkeypatch):
+    from sgl_tts.frontend.backend import chat_prompt
+
+    runtime = FakeRuntime(checkpoint)
+    monkeypatch.setattr("sgl_tts.scoring.probe.http_json", lambda url, payload, timeout: runtime.generate(payload))
+    scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+    expected = reference_scores(base_dir, random_head(1, "last"), tmp_path)
+    solution = SOLUTIONS[0]
+    prompt = chat_prompt(tokenizer, solution.problem)
+    steps = solution.search_steps()
+    assert scorer.score(prompt, [steps[:2]]) == [pytest.approx(expected[0][:2], abs=TOLERANCE)]
+    assert scorer.score(prompt, [steps, steps[:1]]) == [pytest.approx(expected[0], abs=TOLERANCE),
+                                                       pytest.approx(expected[0][:1], abs=TOLERANCE)]
+    # The second call asked only for the new step: one path, logprobs from its last token on.
+    ids, spans = step_spans(tokenizer, prompt, steps)
+    assert [len(r["input_ids"]) for r in runtime.requests] == [1, 1]
+    assert runtime.requests[1]["logprob_start_len"] == [spans[2][1] - 1]
+    assert scorer.score(prompt, [steps]) == [pytest.approx(expected[0], abs=TOLERANCE)]
+    assert len(runtime.requests) == 2, "a path scored before needs no request"
+
+
+def test_scorer_refuses_a_model_without_probe_file(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=PROBE_FILE):
+        ProbeScorer(ScorerConfig(kind="probe"), SimpleNamespace(model_path=str(tmp_path), name="x", url="u"),
+                    tokenizer)
+
+
+# --- runtime tier --------------------------------------------------------------------------------------
+
+@pytest.mark.runtime
+def test_sglang_serves_the_probe_like_the_reference_with_radix_reuse(checkpoint, base_dir, tokenizer, tmp_path):
+    from sgl_tts.frontend.backend import chat_prompt
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+
+    expected = reference_scores(base_dir, random_head(1, "last"), tmp_path / "features")
+    with Runtime.start(RuntimeConfig(model=str(checkpoint), max_total_tokens=8192), name="probe",
+                       log_dir=tmp_path / "logs") as runtime:
+        scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+        prompts = [chat_prompt(tokenizer, s.problem) for s in SOLUTIONS]
+        paths = [s.search_steps() for s in SOLUTIONS]
+        first = [scorer.score(p, [steps[:1]])[0] for p, steps in zip(prompts, paths)]
+        cached_before = scorer.cached_tokens
+        full = [scorer.score(p, [steps])[0] for p, steps in zip(prompts, paths)]
+        assert full == [pytest.approx(e, abs=TOLERANCE) for e in expected]
+        assert [f[:1] for f in full] == first
+        assert scorer.cached_tokens - cached_before > 0, "the extended paths should reuse the cached prefix"
+        mean_scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+        mean_scorer.pooling = "mean"
+        expected_mean = reference_scores(base_dir, random_head(1, "mean"), tmp_path / "features")
+        assert mean_scorer.score(prompts[0], [paths[0]])[0] == pytest.approx(expected_mean[0], abs=TOLERANCE)
