@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.bench.fasttts import add_bench_fasttts_parser
 
     add_bench_fasttts_parser(bench_commands)
+    from sgl_tts.bench.serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bench_commands)
 
     plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
     plan_commands = plan.add_subparsers(dest="plan", required=True)
@@ -91,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.rsd.sweep import add_rsd_sweep_parser
 
     add_rsd_sweep_parser(commands)
+
+    from sgl_tts.serve.main import add_serve_parser
+
+    add_serve_parser(commands)
 
     add_plugin_commands(commands)
     return parser
