@@ -179,10 +179,10 @@ def test_past_the_bound_429_with_retry_after_and_health_stays_responsive():
         holder = threading.Thread(target=lambda: first.setdefault("reply", client(http, key="k").chat.completions.create(
             model="beam_search", messages=[{"role": "user", "content": "held"}])))
         holder.start()
-        assert backend.entered.wait(timeout=30)
-        health = httpx.get(http.url + "/health", timeout=10).json()  # answered while the search is held open
+        assert backend.entered.wait(timeout=300)
+        health = httpx.get(http.url + "/health", timeout=60).json()  # answered while the search is held open
         assert health["in_flight"] == 1 and health["max_searches"] == 1
-        refused = httpx.post(http.url + "/v1/chat/completions", timeout=10,
+        refused = httpx.post(http.url + "/v1/chat/completions", timeout=60,
                              json={"model": "beam_search", "messages": [{"role": "user", "content": "q"}]})
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
         with pytest.raises(openai.RateLimitError):
@@ -205,16 +205,49 @@ def wait_until(predicate, timeout=60.0):
         time.sleep(0.01)
 
 
+class AbortRecorder:
+    """Stands in for the SGLang servers behind a router: records the /abort_request bodies it receives."""
+
+    def __init__(self, servers=2):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                received.append((self.server.server_address[1], self.path, body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(servers)]
+        for server in self.servers:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.url = "http://127.0.0.1:1"  # the router: never asked to abort
+        self.worker_urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in self.servers]
+
+    def close(self):
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
 def test_a_client_that_disconnects_cancels_its_search():
     backend = GatedBackend()
+    backend.runtime = workers = AbortRecorder()
     service, http = start_server(backend, max_searches=1)
     try:
-        with httpx.stream("POST", http.url + "/v1/chat/completions", timeout=30,
+        with httpx.stream("POST", http.url + "/v1/chat/completions", timeout=300,
                           json={"model": "beam_search", "stream": True,
                                 "messages": [{"role": "user", "content": "left"}]}) as response:
-            first = next(response.iter_lines())
+            lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
+            first = next(lines)
             assert json.loads(first.removeprefix("data: "))["sgl_tts"]["event"] == "start"
-            assert backend.entered.wait(timeout=30)
+            assert backend.entered.wait(timeout=300)
             (job,) = service.jobs.values()
         wait_until(lambda: job.backend.cancelled)  # the server saw the client go
         backend.release.set()
@@ -225,10 +258,17 @@ def test_a_client_that_disconnects_cancels_its_search():
         assert snapshot["cancelled"] == 1 and snapshot["completed"] == 0, snapshot
         # Only the first iteration's children (held at the gate when the client left) ever reached the backend.
         assert len(backend.requests) <= DEFAULTS.n
+        # The requests in flight at the cancel were aborted by rid on every server behind the router.
+        assert job.aborted.wait(timeout=60)
+        aborted = {(port, body["rid"]) for port, path, body in workers.received if path == "/abort_request"}
+        ports = {server.server_address[1] for server in workers.servers}
+        assert aborted and {port for port, _ in aborted} == ports
+        assert all(rid.startswith(f"serve-{job.id}-") for _, rid in aborted)
     finally:
         backend.release.set()
         http.stop()
         service.close()
+        workers.close()
 
 
 def test_the_backend_proxy_tags_requests_and_restores_the_program_fields():

@@ -88,7 +88,8 @@ def test_a_client_that_disconnects_leaves_no_request_running(served):
             "messages": [{"role": "user", "content": "Count to a thousand."}]}
     with httpx.stream("POST", http.url + "/v1/chat/completions", json=body, timeout=600) as response:
         assert response.status_code == 200
-        next(response.iter_lines())  # the start event
+        lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
+        next(lines)  # the start event
         deadline = time.monotonic() + 600
         while sum(loads(url)["num_running_reqs"] + loads(url)["num_waiting_reqs"] for url in workers) < 1:
             assert time.monotonic() < deadline, "the search's requests never reached the runtime"

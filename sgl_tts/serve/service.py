@@ -49,6 +49,7 @@ class SearchJob:
     generated_tokens: int = 0  # so far, for progress
     rounds: int = 0  # scoring rounds so far
     on_progress: ProgressCallback | None = None
+    aborted: threading.Event = field(default_factory=threading.Event)  # set once a cancel's aborts are sent
 
     def backends(self) -> list[CancellableBackend]:
         return [b for b in (self.backend, self.target_backend) if b is not None]
@@ -191,3 +192,4 @@ class SearchService:
                 if backend.wait_idle(timeout=0.5):
                     break
                 rids = backend.in_flight()
+        job.aborted.set()
