@@ -342,3 +342,18 @@ def test_bench_arm_and_table(server):
     table = format_table(rows).splitlines()
     assert [line.split()[:2] for line in table[1:]] == [["1", "sequential"], ["1", "concurrent"], ["2", "concurrent"]]
     assert [line.split()[-1] for line in table[1:]] == ["1.00x", "2.00x", "3.00x"], "ratios to the median baseline"
+
+
+def test_closing_the_service_cancels_the_searches_in_flight():
+    backend = GatedBackend()
+    service = SearchService(scripted_runtimes(backend), DEFAULTS, max_searches=2)
+    job = service.submit("beam_search", DEFAULTS, "closing")
+    assert backend.entered.wait(timeout=300)
+    closer = threading.Thread(target=service.close)
+    closer.start()
+    wait_until(lambda: job.backend.cancelled)
+    backend.release.set()
+    closer.join(timeout=60)
+    assert not closer.is_alive() and service.snapshot()["cancelled"] == 1
+    with pytest.raises(SearchCancelled):
+        job.future.result(timeout=0)

@@ -124,6 +124,11 @@ class SearchService:
             return {**self.counts, "max_searches": self.max_searches}
 
     def close(self) -> None:
+        """Cancel the searches in flight (their requests aborted) and wait for their threads to end."""
+        with self._lock:
+            in_flight = list(self.jobs.values())
+        for job in in_flight:
+            self._abort(job)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ---- inside ----
