@@ -101,6 +101,11 @@ def test_a_client_that_disconnects_leaves_no_request_running(served):
     snapshot = service.snapshot()
     assert snapshot["cancelled"] == 1
     assert snapshot["aborted_requests"] > aborted_before, "the requests in flight were aborted, not finished"
+    # /v1/loads reads a snapshot the scheduler publishes at prefill, when idle and every 15 decode steps; a
+    # scheduler that went to sleep on idle may not have published its idle one yet, so wake it with a probe.
     for url in workers:
-        load = loads(url)
-        assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0, (url, load)
+        http_json(url + "/generate", {"text": "probe", "sampling_params": {"max_new_tokens": 1}})
+    deadline = time.monotonic() + 120
+    while any(loads(url)["num_running_reqs"] + loads(url)["num_waiting_reqs"] for url in workers):
+        assert time.monotonic() < deadline, [loads(url) for url in workers]
+        time.sleep(0.05)
