@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_verifier_parser(bench_commands)
 
+    from sgl_tts.bench.serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bench_commands)
+
     plan = commands.add_parser("plan", help="planners: speculative decoding speed, memory split")
     plan_commands = plan.add_subparsers(dest="plan", required=True)
     from sgl_tts.rsd.specdec import add_plan_spec_parser
@@ -113,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.scoring.probe_train import add_train_parser
 
     add_train_parser(commands)  # sgl-tts train prm
+
+    from sgl_tts.serve.main import add_serve_parser
+
+    add_serve_parser(commands)
 
     add_plugin_commands(commands)
     return parser

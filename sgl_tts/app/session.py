@@ -19,6 +19,7 @@ from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.programs import load_program
 from sgl_tts.rsd.acceptance import RSDConfig
+from sgl_tts.runtime.replicas import ReplicaSet
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring.config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
@@ -124,7 +125,8 @@ class Session:
                 continue
             if previous is not None:
                 previous.stop()
-            self.runtimes[name] = Runtime.start(runtime_config, name=name, log_dir=log_dir, wait=False)
+            starter = ReplicaSet.start if runtime_config.routed else Runtime.start
+            self.runtimes[name] = starter(runtime_config, name=name, log_dir=log_dir, wait=False)
         for unused in self._reuse.values():
             unused.stop()
         self._reuse.clear()

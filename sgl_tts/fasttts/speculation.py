@@ -100,9 +100,9 @@ class HttpSpeculationClient(SpeculationClient):
         return answer["text"], answer["meta_info"]
 
     def abort(self, rid: str) -> None:
-        from sgl_tts.runtime.server import http_json
+        from sgl_tts.runtime.server import abort_requests
 
-        http_json(self.runtime.url + "/abort_request", {"rid": rid}, timeout=30)
+        abort_requests(self.runtime, [rid])  # on every server behind a router: it does not route aborts
 
 
 def word_pieces(text: str) -> list[str]:

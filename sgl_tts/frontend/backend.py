@@ -53,6 +53,7 @@ class SearchBackend:
     extension_factory: Callable[["SearchBackend"], Any] | None = None
     seed: int | None = None
     standard_priority: int | None = None  # set when the runtime schedules by priority
+    rid_listener: Callable[[str], None] | None = None  # told every request id this view sends (sgl_tts.serve)
     observers: tuple = ()  # see `observe`
 
     def observe(self, callback: Callable[[str, float, dict[str, Any]], None]) -> None:
@@ -76,6 +77,8 @@ class SearchBackend:
         fields: dict[str, Any] = {"rid": encode_rid(node_of(s, self.run_label).tag())}
         if self.standard_priority is not None:
             fields["priority"] = self.standard_priority
+        if self.rid_listener is not None:
+            self.rid_listener(fields["rid"])
         return fields
 
     def sampling_seed(self, s: Any) -> int | None:

@@ -63,6 +63,11 @@ class RuntimeConfig:
     is_embedding: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Servers of this config behind SGLang's router (sgl_tts.runtime.replicas); `port` is then the router's.
+    replicas: int = 1
+    # SGLang servers already running elsewhere (other machines, same model) that the router also routes to.
+    remote_workers: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)  # more sglang_router.launch_router flags
 
     def __post_init__(self) -> None:
         if not self.allow_remote and not is_loopback(self.host):
@@ -70,6 +75,16 @@ class RuntimeConfig:
                              "server: use 127.0.0.1, or set allow_remote: true to bind it anyway")
         if any(arg == "--host" or arg.startswith("--host=") for arg in self.extra_args):
             raise ValueError("extra_args must not set --host: set 'host' (and allow_remote for a non-loopback one)")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        for url in self.remote_workers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"remote_workers: expected URLs like http://HOST:PORT, got {url!r}")
+
+    @property
+    def routed(self) -> bool:
+        """Whether this runtime is a router in front of several servers (sgl_tts.runtime.replicas)."""
+        return self.replicas > 1 or bool(self.remote_workers)
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -156,22 +171,23 @@ def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 
 
 
 def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None) -> dict[str, RuntimeConfig]:
-    """Co-located CPU runtimes split the machine's cores instead of each using all of them.
+    """Co-located CPU runtimes (each replica counts as one) split the machine's cores instead of each using all.
 
     torch's OpenMP threads spin while they wait for each other, so two busy runtimes that each run a thread
     per core slow each other down by an order of magnitude (two SmolLM2 runtimes on 2 cores, 16 requests
     each: 4.8 tok/s together vs 86 tok/s for one alone; with one thread each, 177 tok/s together). Every CPU
-    runtime whose `cpu_threads` is unset gets `cores // number of CPU runtimes` threads (at least 1); when
-    the threads still outnumber the cores, waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the
-    config's `env` says otherwise. A single runtime is left as configured.
+    runtime whose `cpu_threads` is unset gets `cores // number of CPU servers` threads per server (at least
+    1); when the threads still outnumber the cores, waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the
+    config's `env` says otherwise. A single server is left as configured.
     """
     on_cpu = [name for name, config in configs.items() if config.device == "cpu"]
-    if len(on_cpu) < 2:
+    servers = sum(configs[name].replicas for name in on_cpu)
+    if servers < 2:
         return dict(configs)
     cores = cores or len(os.sched_getaffinity(0))
-    share = max(1, cores // len(on_cpu))
+    share = max(1, cores // servers)
     threads = {name: configs[name].cpu_threads or share for name in on_cpu}
-    passive = sum(threads.values()) > cores
+    passive = sum(threads[name] * configs[name].replicas for name in on_cpu) > cores
     shared = dict(configs)
     for name in on_cpu:
         config = configs[name]
@@ -249,6 +265,12 @@ class Runtime:
         if wait:
             runtime.wait_ready()
         return runtime
+
+    @property
+    def worker_urls(self) -> list[str]:
+        """The SGLang servers behind `url` (requests are aborted there: the router does not route
+        /abort_request)."""
+        return [self.url]
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -337,3 +359,11 @@ def group_members(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 members.append(int(entry.name))
     return members
+
+
+def abort_requests(runtime: Any, rids: list[str], timeout: float = 30.0) -> None:
+    """Abort requests `rids` on every server behind `runtime` (a no-op for a rid that has finished or that a
+    server never saw). SGLang 0.5.23 aborts by exact rid; `{"abort_all": true}` would stop other clients' too."""
+    for url in getattr(runtime, "worker_urls", [runtime.url]):
+        for rid in rids:
+            http_json(url + "/abort_request", {"rid": rid}, timeout=timeout)

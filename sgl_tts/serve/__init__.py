@@ -1,0 +1,1 @@
+"""`sgl-tts serve`: an OpenAI-compatible HTTP endpoint whose answers are searches."""

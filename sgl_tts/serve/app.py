@@ -1,0 +1,164 @@
+"""The HTTP routes: `/health`, `/v1/models`, `/v1/chat/completions` (FastAPI).
+
+Searches run on the service's threads; the handlers only await them, so a long search never delays
+`/health`. A client that disconnects before its answer has its search cancelled (SearchService.cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sgl_tts.config import ConfigError
+from sgl_tts.serve.protocol import (EXTENSION, RequestError, answer_chunks, chunk, completion, error_body,
+                                    parse_chat_request)
+from sgl_tts.serve.service import Busy, SearchJob, SearchService
+from sgl_tts.serve.tracking import SearchCancelled
+
+RETRY_AFTER_S = 1
+KEEP_ALIVE_S = 15.0  # an SSE comment this often while a streamed search has nothing to report
+
+
+class APIError(Exception):
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None):
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request body is read already, so the next ASGI message is the
+    disconnect). Only for plain responses: a StreamingResponse reads the messages itself."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _outcome(job: SearchJob) -> asyncio.Future:
+    """The job's result as an asyncio future whose error is always retrieved (a cancelled search's error
+    has nobody waiting for it)."""
+    future = asyncio.wrap_future(job.future)
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="sgl-tts", description="OpenAI-compatible chat completions answered by a search")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, error_body("missing or wrong API key (header 'Authorization: Bearer KEY')",
+                                           "authentication_error", code="invalid_api_key"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", **service.snapshot()}
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sgl-tts"}
+                                           for name in service.programs]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise APIError(400, error_body(f"the request body is not JSON: {exc}"))
+        try:
+            parsed = parse_chat_request(body)
+            search = service.search_config(parsed.program, parsed.settings)
+        except RequestError as exc:
+            raise APIError(400, error_body(str(exc), param=exc.param))
+        except ConfigError as exc:
+            raise APIError(400, error_body(str(exc), param=_field_of(exc, parsed.settings)))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        on_progress = (lambda event: loop.call_soon_threadsafe(events.put_nowait, event)) if parsed.stream else None
+        try:
+            job = service.submit(parsed.program, search, parsed.question, on_progress=on_progress)
+        except Busy as exc:
+            raise APIError(429, error_body(f"busy: {exc}; retry later", "rate_limit_error", code="busy"),
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if parsed.stream:
+            return StreamingResponse(_stream(service, job, events, completion_id, parsed.include_usage),
+                                     media_type="text/event-stream")
+        finished = _outcome(job)
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not finished.done():
+            service.cancel(job)
+            return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
+        gone.cancel()
+        return JSONResponse(_result_or_error(job, lambda result: completion(completion_id, result, search)))
+
+    return app
+
+
+def _field_of(exc: ConfigError, settings: dict[str, Any]) -> str | None:
+    """The request field a config error is about (its message names it)."""
+    names = [name for name in ("model", *settings) if f"'{name}'" in str(exc) or f" {name} " in str(exc)]
+    return names[-1] if names else None
+
+
+def _result_or_error(job: SearchJob, render):
+    try:
+        return render(job.future.result())
+    except SearchCancelled as exc:
+        raise APIError(499, error_body(str(exc), "cancelled"))
+    except Exception as exc:  # the search failed: the error names the runtime or the program
+        raise APIError(500, error_body(f"search failed: {exc}", "server_error"))
+
+
+async def _stream(service: SearchService, job: SearchJob, events: asyncio.Queue, completion_id: str,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: start, a progress chunk after each scoring round, then the answer in the OpenAI
+    chunk format and `[DONE]`. The search is cancelled if the stream ends before the answer: Starlette
+    cancels this generator when the client disconnects (it listens for the disconnect itself, so nothing else
+    may read the request's messages), and a server that does not listen would fail the next send, at the
+    latest the keep-alive comment sent every KEEP_ALIVE_S."""
+    created = int(time.time())
+    finished = _outcome(job)
+    answered = False
+    try:
+        yield _sse(chunk(completion_id, job.program, created, **{EXTENSION: {
+            "event": "start", "search_id": job.id, "search": {"n": job.search.n, "program": job.program}}}))
+        while not finished.done():
+            next_event = asyncio.ensure_future(events.get())
+            await asyncio.wait({finished, next_event}, timeout=KEEP_ALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+            if next_event.done():
+                yield _sse(chunk(completion_id, job.program, created, **{EXTENSION: next_event.result()}))
+            else:
+                next_event.cancel()
+                if not finished.done():
+                    yield b": keep-alive\n\n"
+        while not events.empty():
+            yield _sse(chunk(completion_id, job.program, created, **{EXTENSION: events.get_nowait()}))
+        try:
+            chunks = _result_or_error(job, lambda result: answer_chunks(completion_id, result, job.search, created,
+                                                                        include_usage))
+        except APIError as exc:
+            chunks = [exc.body]
+        for item in chunks:
+            yield _sse(item)
+        yield _sse("[DONE]")
+        answered = True
+    finally:
+        if not answered and not job.future.done():
+            service.cancel(job)

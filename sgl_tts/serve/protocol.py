@@ -1,0 +1,161 @@
+"""The OpenAI chat-completions format, mapped onto searches.
+
+Request: `model` names a registered search program; the last message (role "user") is the question; the
+search settings (`n`, `beam_width`, `max_tokens`, `temperature`, ... every `SearchConfig` field but
+`program`) ride in the body beside the OpenAI fields. `n` is the search's n: the reply has one choice.
+Reply: the message is the selected solution; `usage` counts the whole search (every path's generated
+tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field carries the candidates
+with their step scores, and the timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_tts.search.api import SearchConfig
+from sgl_tts.search.records import SearchResult
+
+OPENAI_FIELDS = ("model", "messages", "stream", "stream_options", "user")
+SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchConfig) if f.name != "program")
+EXTENSION = "sgl_tts"  # the reply field with what OpenAI's format has no place for
+
+
+class RequestError(ValueError):
+    """A request body that is not a chat-completions request we can answer; `param` names the field."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    program: str
+    question: str
+    settings: dict[str, Any]  # search settings from the body, validated by SearchService.search_config
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(where, f"'{where}' must be a string or a list of text parts")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise RequestError(None, "the request body must be a JSON object")
+    unknown = sorted(set(body) - set(OPENAI_FIELDS) - set(SEARCH_FIELDS))
+    if unknown:
+        raise RequestError(unknown[0], f"unknown field '{unknown[0]}'; known fields: "
+                                       f"{', '.join(OPENAI_FIELDS + SEARCH_FIELDS)}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model", "'model' must be the name of a search program (GET /v1/models lists them)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "'messages' must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{index}]", f"'messages[{index}]' must be an object with a 'role'")
+    last = messages[-1]
+    where = f"messages[{len(messages) - 1}]"
+    if last["role"] != "user":
+        raise RequestError(where, f"the last message must have role 'user' (the question), got {last['role']!r}")
+    question = _text(last.get("content"), where + ".content")
+    if not question.strip():
+        raise RequestError(where + ".content", "the question is empty")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream", f"'stream' must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options", "'stream_options' must be an object")
+    return ChatRequest(program=model, question=question, stream=stream,
+                       include_usage=bool(options.get("include_usage", False)),
+                       settings={k: body[k] for k in SEARCH_FIELDS if k in body})
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def selected_candidate(result: SearchResult):
+    """The best-ranked candidate that gave the selected answer (candidates are best first), else the best."""
+    for candidate in result.candidates:
+        if result.answer is not None and candidate.answer == result.answer:
+            return candidate
+    return result.candidates[0] if result.candidates else None
+
+
+def usage(result: SearchResult) -> dict[str, Any]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.generated_tokens,
+            "total_tokens": result.prompt_tokens + result.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+def extension(result: SearchResult, search: SearchConfig) -> dict[str, Any]:
+    return {
+        "event": "finish",
+        "program": result.program,
+        "answer": result.answer,
+        "search": dataclasses.asdict(search),
+        "candidates": [{"text": c.text, "answer": c.answer, "score": c.score, "step_scores": c.step_scores,
+                        "steps": c.steps, "tokens": c.tokens, "finish_reason": c.finish_reason}
+                       for c in result.candidates],
+        "timings": {"total_s": result.total_time_s, "generator_s": result.generator_time_s,
+                    "verifier_s": result.verifier_time_s},
+        "iterations": result.iterations,
+        "verifier_calls": result.verifier_calls,
+        "cache_hit_rate": result.cache_hit_rate,
+        "error": result.error,
+    }
+
+
+def _finish_reason(result: SearchResult) -> str:
+    chosen = selected_candidate(result)
+    return "length" if chosen is not None and chosen.finish_reason == "max_tokens" else "stop"
+
+
+def completion(completion_id: str, result: SearchResult, search: SearchConfig, created: int | None = None
+               ) -> dict[str, Any]:
+    chosen = selected_candidate(result)
+    return {
+        "id": completion_id, "object": "chat.completion", "created": created or int(time.time()),
+        "model": result.program,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": chosen.text if chosen else ""},
+                     "finish_reason": _finish_reason(result), "logprobs": None}],
+        "usage": usage(result),
+        EXTENSION: extension(result, search),
+    }
+
+
+def chunk(completion_id: str, model: str, created: int, choices: list[dict[str, Any]] | None = None,
+          **fields: Any) -> dict[str, Any]:
+    """One `chat.completion.chunk`; progress chunks have no choices and carry the `sgl_tts` field."""
+    return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices or [], **fields}
+
+
+def answer_chunks(completion_id: str, result: SearchResult, search: SearchConfig, created: int,
+                  include_usage: bool) -> list[dict[str, Any]]:
+    """The streamed answer: the solution as one content delta, then the finish chunk with the extension
+    (and the usage, when the client asked for it with stream_options.include_usage)."""
+    chosen = selected_candidate(result)
+    content = chunk(completion_id, result.program, created,
+                    [{"index": 0, "delta": {"role": "assistant", "content": chosen.text if chosen else ""},
+                      "finish_reason": None}])
+    finish = chunk(completion_id, result.program, created,
+                   [{"index": 0, "delta": {}, "finish_reason": _finish_reason(result)}],
+                   **{EXTENSION: extension(result, search)})
+    if include_usage:
+        finish["usage"] = usage(result)
+    return [content, finish]

@@ -1,0 +1,374 @@
+"""`sgl-tts serve` on the scripted backend (no SGLang runtime): the OpenAI format, validation, the key, the
+bound, streaming, cancellation; checked against the same program run directly."""
+
+import dataclasses
+import json
+import threading
+import time
+
+import httpx
+
+from policies.base import decode_rid
+import openai
+import pytest
+
+from sgl_tts.problems import Problem
+from sgl_tts.runtime.server import RuntimeConfig, share_cpu_cores
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.programs import load_program, program_names
+from sgl_tts.serve.app import create_app
+from sgl_tts.serve.main import HTTPServer
+from sgl_tts.serve.protocol import selected_candidate
+from sgl_tts.serve.service import SearchService
+from sgl_tts.serve.tracking import SearchCancelled
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+DEFAULTS = SearchConfig(program="beam_search", n=4, beam_width=2, max_steps=4, max_tokens=10_000)
+KEY = "test-key"
+
+
+def prompt(question):
+    return f"Q: {question}\n\n"
+
+
+def scripted_runtimes(backend=None):
+    return Runtimes(generator=backend or ScriptedBackend(), scorer=ScriptedScorer(), prompt=prompt)
+
+
+def direct(program, question, search):
+    """The reference: the same program on a fresh scripted backend, without the server."""
+    problem = Problem(id="direct", question=question, gold=None)
+    return load_program(program)(problem, search, scripted_runtimes())
+
+
+class GatedBackend(ScriptedBackend):
+    """Every request, once its rid is assigned (in flight), waits until `release` is set; `entered` tells that
+    one is waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def request_fields(self, s):
+        fields = super().request_fields(s)
+        self.entered.set()
+        assert self.release.wait(timeout=60), "test never released the backend"
+        return fields
+
+
+def start_server(backend=None, max_searches=8, api_key=None):
+    service = SearchService(scripted_runtimes(backend), DEFAULTS, max_searches=max_searches)
+    return service, HTTPServer(create_app(service, api_key)).start()
+
+
+@pytest.fixture(scope="module")
+def server():
+    service, http = start_server(max_searches=32, api_key=KEY)
+    yield service, http
+    http.stop()
+    service.close()
+
+
+def client(http, key=KEY, **kwargs):
+    return openai.OpenAI(base_url=http.url + "/v1", api_key=key, max_retries=0, **kwargs)
+
+
+def test_models_lists_the_registered_programs(server):
+    _, http = server
+    assert sorted(m.id for m in client(http).models.list()) == program_names()
+
+
+@pytest.mark.parametrize("program,settings", [("beam_search", {"n": 4, "beam_width": 2}),
+                                              ("best_of_n", {"n": 3, "temperature": 0.5}),
+                                              ("dvts", {"n": 4, "beam_width": 2, "max_steps": 3})])
+def test_completion_is_the_search_result(server, program, settings):
+    _, http = server
+    question = f"completion {program}?"
+    reply = client(http).chat.completions.create(model=program, messages=[{"role": "user", "content": question}],
+                                                 extra_body={k: v for k, v in settings.items() if k != "n"},
+                                                 n=settings["n"])
+    expected = direct(program, question, SearchConfig(**{**vars(DEFAULTS), "program": program, **settings}))
+    assert reply.model == program and len(reply.choices) == 1
+    assert reply.choices[0].message.content == selected_candidate(expected).text
+    assert reply.usage.completion_tokens == expected.generated_tokens
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
+    extension = reply.model_extra["sgl_tts"]
+    assert extension["answer"] == expected.answer
+    assert [c["text"] for c in extension["candidates"]] == [c.text for c in expected.candidates]
+    assert [c["step_scores"] for c in extension["candidates"]] == [c.step_scores for c in expected.candidates]
+    assert extension["search"]["n"] == settings["n"] and extension["search"]["program"] == program
+    assert set(extension["timings"]) == {"total_s", "generator_s", "verifier_s"}
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"model": "no_such_program"}, "no_such_program"),
+    ({"model": "../programs/beam_search.py"}, "beam_search.py"),
+    ({"model": "beam_search", "n": 0}, "n must be at least 1"),
+    ({"model": "beam_search", "n": "four"}, "'n'"),
+    ({"model": "beam_search", "temperature": -1}, "temperature"),
+    ({"model": "beam_search", "beam_widht": 2}, "beam_widht"),
+    ({"model": "beam_search", "program": "dvts"}, "program"),
+    ({"model": "beam_search", "messages": []}, "messages"),
+    ({"model": "beam_search", "messages": [{"role": "assistant", "content": "x"}]}, "role 'user'"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, field):
+    _, http = server
+    body = {"messages": [{"role": "user", "content": "q"}], **body}
+    answer = httpx.post(http.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 400, answer.text
+    assert field in answer.json()["error"]["message"]
+
+
+def test_bad_n_through_the_openai_client(server):
+    _, http = server
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        client(http).chat.completions.create(model="beam_search", n=0, messages=[{"role": "user", "content": "q"}])
+    with pytest.raises(openai.BadRequestError, match="unknown model"):
+        client(http).chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "q"}])
+
+
+def test_the_key_is_checked_on_every_route_but_health(server):
+    _, http = server
+    with pytest.raises(openai.AuthenticationError):
+        client(http, key="wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        client(http, key="wrong").chat.completions.create(model="beam_search", messages=[{"role": "user", "content": "q"}])
+    assert httpx.post(http.url + "/v1/chat/completions", json={}).status_code == 401
+    assert httpx.get(http.url + "/health").json()["status"] == "ok"
+
+
+def test_streamed_progress_then_the_answer_in_chunk_format(server):
+    _, http = server
+    question = "streamed?"
+    stream = client(http).chat.completions.create(model="beam_search", messages=[{"role": "user", "content": question}],
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    events = [c.model_extra.get("sgl_tts", {}).get("event") for c in chunks]
+    expected = direct("beam_search", question, DEFAULTS)
+    assert events[0] == "start" and events[-1] == "finish"
+    progress = [c.model_extra["sgl_tts"] for c in chunks if events[chunks.index(c)] == "progress"]
+    assert [p["iteration"] for p in progress] == list(range(1, expected.verifier_calls + 1))
+    assert all(0 <= p["best_score"] < 1 and p["paths"] >= 1 for p in progress)
+    assert progress[-1]["generated_tokens"] == expected.generated_tokens
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == selected_candidate(expected).text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == expected.generated_tokens
+
+
+def test_concurrent_requests_are_all_answered(server):
+    _, http = server
+    questions = [f"concurrent {i}?" for i in range(32)]
+    replies = [None] * len(questions)
+
+    def ask(index):
+        replies[index] = client(http).chat.completions.create(
+            model="beam_search", messages=[{"role": "user", "content": questions[index]}])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for question, reply in zip(questions, replies):
+        assert reply.choices[0].message.content == selected_candidate(direct("beam_search", question, DEFAULTS)).text
+
+
+def test_past_the_bound_429_with_retry_after_and_health_stays_responsive():
+    backend = GatedBackend()
+    service, http = start_server(backend, max_searches=1)
+    try:
+        first = {}
+        holder = threading.Thread(target=lambda: first.setdefault("reply", client(http, key="k").chat.completions.create(
+            model="beam_search", messages=[{"role": "user", "content": "held"}])))
+        holder.start()
+        assert backend.entered.wait(timeout=300)
+        health = httpx.get(http.url + "/health", timeout=60).json()  # answered while the search is held open
+        assert health["in_flight"] == 1 and health["max_searches"] == 1
+        refused = httpx.post(http.url + "/v1/chat/completions", timeout=60,
+                             json={"model": "beam_search", "messages": [{"role": "user", "content": "q"}]})
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        with pytest.raises(openai.RateLimitError):
+            client(http, key="k").chat.completions.create(model="beam_search", messages=[{"role": "user", "content": "q"}])
+        backend.release.set()
+        holder.join(timeout=60)
+        assert first["reply"].choices[0].message.content
+        assert service.snapshot()["rejected"] == 2 and service.snapshot()["completed"] == 1
+    finally:
+        backend.release.set()
+        http.stop()
+        service.close()
+
+
+def wait_until(predicate, timeout=60.0):
+    """Wait for a state (not a fixed time): poll `predicate` until it holds or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "state not reached in time"
+        time.sleep(0.01)
+
+
+class AbortRecorder:
+    """Stands in for the SGLang servers behind a router: records the /abort_request bodies it receives."""
+
+    def __init__(self, servers=2):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                received.append((self.server.server_address[1], self.path, body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(servers)]
+        for server in self.servers:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.url = "http://127.0.0.1:1"  # the router: never asked to abort
+        self.worker_urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in self.servers]
+
+    def close(self):
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_client_that_disconnects_cancels_its_search():
+    backend = GatedBackend()
+    backend.runtime = workers = AbortRecorder()
+    service, http = start_server(backend, max_searches=1)
+    try:
+        with httpx.stream("POST", http.url + "/v1/chat/completions", timeout=300,
+                          json={"model": "beam_search", "stream": True,
+                                "messages": [{"role": "user", "content": "left"}]}) as response:
+            lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
+            first = next(lines)
+            assert json.loads(first.removeprefix("data: "))["sgl_tts"]["event"] == "start"
+            assert backend.entered.wait(timeout=300)
+            (job,) = service.jobs.values()
+        wait_until(lambda: job.backend.cancelled)  # the server saw the client go
+        backend.release.set()
+        with pytest.raises(SearchCancelled):
+            job.future.result(timeout=60)
+        wait_until(lambda: service.snapshot()["in_flight"] == 0)
+        snapshot = service.snapshot()
+        assert snapshot["cancelled"] == 1 and snapshot["completed"] == 0, snapshot
+        # Only the first iteration's children (held at the gate when the client left) ever reached the backend.
+        assert len(backend.requests) <= DEFAULTS.n
+        # The requests in flight at the cancel were aborted by rid on every server behind the router.
+        assert job.aborted.wait(timeout=60)
+        aborted = {(port, body["rid"]) for port, path, body in workers.received if path == "/abort_request"}
+        ports = {server.server_address[1] for server in workers.servers}
+        assert aborted and {port for port, _ in aborted} == ports
+        assert all(decode_rid(rid) is not None for _, rid in aborted), "the lineage rids the requests were sent with"
+    finally:
+        backend.release.set()
+        http.stop()
+        service.close()
+        workers.close()
+
+
+def test_the_backend_proxy_tracks_the_lineage_rids_in_flight_and_refuses_after_cancel():
+    from policies.base import decode_rid
+    from sgl_tts.serve.tracking import CancellableBackend
+
+    class State:
+        text_ = "Q: x\n\n"
+
+        def __init__(self):
+            self.variables = {}
+
+    class Params:
+        max_new_tokens, stop = 5, ("\n\n",)
+
+    seen_in_flight = []
+
+    class Watched(ScriptedBackend):
+        def generate(self, s, sampling_params):
+            out = super().generate(s, sampling_params)
+            seen_in_flight.append(proxy.in_flight())  # still in flight while the backend answers
+            return out
+
+    inner = Watched()
+    proxy = CancellableBackend(inner, "s1")
+    view = proxy.for_run(0, "p1")  # what a search makes of it: the tracking is shared
+    state = State()
+    view.generate(state, Params())
+    rids = [r["fields"]["rid"] for r in inner.requests]
+    assert len(rids) == 1 and decode_rid(rids[0]).problem_id.startswith("p1/"), "the lineage rid is sent"
+    assert seen_in_flight == [rids], "tracked while in flight"
+    assert proxy.in_flight() == [] and proxy.wait_idle(0.0), "and no longer once answered"
+    assert proxy.get_model_name() == "scripted", "everything else falls through to the backend"
+    assert proxy.cancel() == [] and view.cancelled
+    with pytest.raises(SearchCancelled):
+        view.generate(State(), Params())
+    assert len(inner.requests) == 1, "a cancelled search sends nothing"
+
+
+def test_replicas_count_in_the_core_split():
+    two = share_cpu_cores({"generator": RuntimeConfig(replicas=2)}, cores=2)
+    assert two["generator"].cpu_threads == 1 and "OMP_WAIT_POLICY" not in two["generator"].env
+    three = share_cpu_cores({"generator": RuntimeConfig(replicas=2), "scorer": RuntimeConfig(max_total_tokens=8)},
+                            cores=2)
+    assert [c.cpu_threads for c in three.values()] == [1, 1]
+    assert all(c.env["OMP_WAIT_POLICY"] == "PASSIVE" for c in three.values()), "3 servers on 2 cores"
+    with pytest.raises(ValueError, match="replicas"):
+        RuntimeConfig(replicas=0)
+
+
+def test_replica_configs_and_the_router_command():
+    from sgl_tts.runtime.replicas import replica_config, router_command
+
+    gpu = RuntimeConfig(device="cuda", replicas=2, port=9000, extra_args=["--tp-size", "2"])
+    assert [replica_config(gpu, i).extra_args[-2:] for i in range(2)] == [["--base-gpu-id", "0"], ["--base-gpu-id", "2"]]
+    assert replica_config(gpu, 1).port is None and replica_config(gpu, 1).replicas == 1, "the router takes the port"
+    placed = RuntimeConfig(device="cuda", replicas=2, extra_args=["--base-gpu-id", "4"])
+    assert replica_config(placed, 1).extra_args == ["--base-gpu-id", "4"]
+    assert replica_config(RuntimeConfig(replicas=2), 1).extra_args == [], "CPU replicas have no GPU ids"
+    routed = RuntimeConfig(replicas=1, remote_workers=["http://10.0.0.2:30000"], router_args=["--policy", "round_robin"])
+    assert routed.routed and not RuntimeConfig().routed
+    command = router_command(routed, 8001, ["http://127.0.0.1:1", "http://10.0.0.2:30000"], 8002)
+    assert command[command.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:1", "http://10.0.0.2:30000"]
+    assert command[command.index("--prometheus-port") + 1] == "8002" and command[-2:] == ["--policy", "round_robin"]
+    with pytest.raises(ValueError, match="remote_workers"):
+        RuntimeConfig(remote_workers=["10.0.0.2:30000"])
+
+
+def test_bench_arm_and_table(server):
+    from sgl_tts.bench.serve import format_table, run_arm
+
+    _, http = server
+    row = run_arm(http.url + "/v1", "best_of_n", [f"bench {i}?" for i in range(6)], clients=3, api_key=KEY)
+    assert row["errors"] == 0 and row["requests_per_s"] > 0 and row["p99_s"] >= row["p50_s"] > 0
+    expected_tokens = sum(direct("best_of_n", f"bench {i}?", dataclasses.replace(DEFAULTS, program="best_of_n"))
+                          .generated_tokens for i in range(6))
+    assert row["generated_tokens"] == expected_tokens > 0
+    refused = run_arm(http.url + "/v1", "best_of_n", ["q"], clients=1, api_key="wrong")
+    assert refused["errors"] == 1 and refused["requests_per_s"] == 0
+    rows = {(1, "sequential"): [dict(row, requests_per_s=1.0), dict(row, requests_per_s=3.0)],
+            (1, "concurrent"): [dict(row, requests_per_s=4.0)], (2, "concurrent"): [dict(row, requests_per_s=6.0)]}
+    table = format_table(rows).splitlines()
+    assert [line.split()[:2] for line in table[1:]] == [["1", "sequential"], ["1", "concurrent"], ["2", "concurrent"]]
+    assert [line.split()[-1] for line in table[1:]] == ["1.00x", "2.00x", "3.00x"], "ratios to the median baseline"
+
+
+def test_closing_the_service_cancels_the_searches_in_flight():
+    backend = GatedBackend()
+    service = SearchService(scripted_runtimes(backend), DEFAULTS, max_searches=2)
+    job = service.submit("beam_search", DEFAULTS, "closing")
+    assert backend.entered.wait(timeout=300)
+    closer = threading.Thread(target=service.close)
+    closer.start()
+    wait_until(lambda: job.backend.cancelled)
+    backend.release.set()
+    closer.join(timeout=60)
+    assert not closer.is_alive() and service.snapshot()["cancelled"] == 1
+    with pytest.raises(SearchCancelled):
+        job.future.result(timeout=0)
