@@ -218,6 +218,7 @@ def test_bench_cells_medians_ranges_and_claims():
     assert "1.00x " in lines[1] and "2.50x*" in lines[2] and "0.40x*" in lines[2]
     assert Arm.parse("all") == Arm("all", "P+M+S", True) and Arm.parse("V") == Arm("V", "baseline", True)
     assert Arm.parse("P+M") == Arm("P+M", "P+M", False)
+    assert Arm.parse("baseline") == Arm("baseline", "baseline", False)
     for bad in ("Q", "V+V", ""):
         with pytest.raises(ValueError, match="bad arm"):
             Arm.parse(bad)

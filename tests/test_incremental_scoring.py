@@ -344,14 +344,14 @@ def test_likelihood_incremental_equals_full_and_transformers_on_a_runtime(tiny_r
     from transformers import AutoModelForCausalLM
 
     from sgl_tts.frontend.backend import chat_prompt
-    from sgl_tts.bench.fasttts import _flush_caches
+    from sgl_tts.bench.fasttts import flush_caches
 
     model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
     prompt = chat_prompt(tiny_tokenizer, "Tom has 3 apples and buys 4 more. How many apples does he have now?")
     incremental = LikelihoodScorer(tiny_runtime, tiny_tokenizer)
     full = LikelihoodScorer(tiny_runtime, tiny_tokenizer)
     full.set_incremental(False)
-    _flush_caches({"tiny": tiny_runtime})
+    flush_caches({"tiny": tiny_runtime})
     cached = []
     for paths in REAL_GROWTH:
         expected = [likelihood_transformers(model, tiny_tokenizer, prompt, p) for p in paths]
@@ -370,13 +370,13 @@ def test_likelihood_incremental_equals_full_and_transformers_on_a_runtime(tiny_r
 @pytest.mark.runtime
 def test_math_shepherd_incremental_equals_full_on_a_runtime(tiny_runtime, tiny_tokenizer):
     from sgl_tts.frontend.backend import chat_prompt
-    from sgl_tts.bench.fasttts import _flush_caches
+    from sgl_tts.bench.fasttts import flush_caches
 
     prompt = chat_prompt(tiny_tokenizer, "Tom has 3 apples and buys 4 more. How many apples does he have now?")
     config = ScorerConfig(kind="math_shepherd")
     incremental = make_scorer(config, tiny_runtime, tiny_tokenizer)
     full = make_scorer(ScorerConfig(kind="math_shepherd", incremental=False), tiny_runtime, tiny_tokenizer)
-    _flush_caches({"tiny": tiny_runtime})
+    flush_caches({"tiny": tiny_runtime})
     counts = []
     for paths in REAL_GROWTH:
         scored = incremental.score_counted(prompt, paths)

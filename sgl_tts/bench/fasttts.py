@@ -49,7 +49,8 @@ class Arm:
     @classmethod
     def parse(cls, label: str) -> "Arm":
         parts = ["V", "P", "M", "S"] if label == "all" else [] if label == "baseline" else label.split("+")
-        if not parts or any(p not in ("V", "P", "M", "S") for p in parts) or len(set(parts)) != len(parts):
+        if (label != "baseline" and not parts) or any(p not in ("V", "P", "M", "S") for p in parts) \
+                or len(set(parts)) != len(parts):
             raise ValueError(f"bad arm {label!r}: use baseline, all, or V, P, M, S joined by '+'")
         switches = "+".join(p for p in ("P", "M", "S") if p in parts) or "baseline"
         return cls(label, switches, "V" in parts)

@@ -78,7 +78,7 @@ def format_table(calls: dict[str, list[list[dict[str, float]]]]) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     from sgl_tts.app.session import Session, load_run_config
-    from sgl_tts.bench.fasttts import _flush_caches
+    from sgl_tts.bench.fasttts import flush_caches
     from sgl_tts.problems import load_problems
 
     config = load_run_config(args.config)
@@ -103,7 +103,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
                     scorer.set_incremental(arm == "incremental", config.scorer.memo_paths)
                     for problem in problems:
-                        _flush_caches(session.runtimes)
+                        flush_caches(session.runtimes)
                         log.take()
                         result = session.solve(problem)
                         searched = log.take()

@@ -70,6 +70,18 @@ class RuntimeConfig:
     router_args: list[str] = field(default_factory=list)  # more sglang_router.launch_router flags
 
     def __post_init__(self) -> None:
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads",
+                     "continuous_decode_steps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.allow_remote and not is_loopback(self.host):
             raise ValueError(f"host {self.host!r} is not a loopback address, so other machines could reach the "
                              "server: use 127.0.0.1, or set allow_remote: true to bind it anyway")
