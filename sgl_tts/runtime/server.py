@@ -97,18 +97,6 @@ class RuntimeConfig:
     def routed(self) -> bool:
         """Whether this runtime is a router in front of several servers (sgl_tts.runtime.replicas)."""
         return self.replicas > 1 or bool(self.remote_workers)
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads",
-                     "continuous_decode_steps"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("startup_timeout_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 def is_loopback(host: str) -> bool:
