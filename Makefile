@@ -19,7 +19,7 @@ test-fast: setup
 
 bench: setup
 	.venv/bin/sgl-tts bench runtime
-	.venv/bin/sgl-tts bench fasttts
+	.venv/bin/sgl-tts bench fasttts --quick
 
 eval: setup
 	.venv/bin/sgl-tts eval --config $(CONFIG)
