@@ -212,6 +212,7 @@ def test_bench_cells_medians_ranges_and_claims():
     assert compare([5.0, 6.0, 4.0], [2.0, 2.5, 1.5], lower_is_better=False) == (pytest.approx(2.5), True)
     assert compare([5.0, 6.0, 2.0], [2.0, 2.5, 1.5], lower_is_better=False)[1] is False, "overlapping ranges"
     assert compare([3.0, 4.0], [8.0, 9.0], lower_is_better=True) == (pytest.approx(3.5 / 8.5), True)
+    assert compare([9.0], [2.0], lower_is_better=False) == (pytest.approx(4.5), False), "one run claims nothing"
     cells = {("beam_search", 8, "baseline"): [base, base], ("beam_search", 8, "all"): [fast, fast]}
     lines = format_table(cells, ["beam_search"], [8], ["baseline", "V", "all"]).splitlines()
     assert len(lines) == 3, "a header, then one line per measured arm"

@@ -110,6 +110,8 @@ def compare(arm: list[float], base: list[float], lower_is_better: bool) -> tuple
     arm_median, arm_low, arm_high = spread(arm)
     base_median, base_low, base_high = spread(base)
     ratio = arm_median / base_median if base_median else float("nan")
+    if len(arm) < 2 or len(base) < 2:  # one run has no range: nothing can be claimed
+        return ratio, False
     separated = arm_high < base_low if lower_is_better else arm_low > base_high
     return ratio, separated
 
