@@ -100,7 +100,7 @@ def test_longest_memoized_prefix_wins():
     memo.put(PROMPT, ("a",), [0.1])
     memo.put(PROMPT, ("a", "b", "c"), [0.1, 0.2, 0.3])
     assert memo.longest_prefix(PROMPT, ("a", "b", "c", "d")) == (0.1, 0.2, 0.3)
-    assert memo.longest_prefix(PROMPT, ("a", "b", "x")) == (0.1,)
+    assert memo.longest_prefix(PROMPT, ("a", "b", "x")) == (0.1, 0.2), "a prefix of a memoized path counts"
     assert memo.longest_prefix(PROMPT, ("x",)) == ()
 
 
@@ -434,3 +434,12 @@ def test_bench_call_log_records_each_call_and_the_table_compares_the_arms():
     assert [c["cached_tokens"] for c in calls["incremental"][0]][1:] == [9, 3 * 6]
     table = format_table(calls)
     assert "3 (3-3)" in table and "0.33x" in table  # iteration 3: 3 of 9 steps scored
+
+
+def test_an_evicted_path_takes_its_prefixes_with_it():
+    memo = StepMemo(max_paths=1)
+    memo.put(PROMPT, ("a", "b", "c"), [0.1, 0.2, 0.3])
+    assert memo.longest_prefix(PROMPT, ("a",)) == (0.1,)
+    memo.put(PROMPT, ("x", "y"), [0.5, 0.6])
+    assert memo.longest_prefix(PROMPT, ("a", "b")) == () and memo.longest_prefix(PROMPT, ("x",)) == (0.5,)
+    memo.check_integrity()

@@ -207,11 +207,11 @@ def test_sglang_serves_the_probe_like_the_reference_with_radix_reuse(checkpoint,
         prompts = [chat_prompt(tokenizer, s.problem) for s in SOLUTIONS]
         paths = [s.search_steps() for s in SOLUTIONS]
         first = [scorer.score(p, [steps[:1]])[0] for p, steps in zip(prompts, paths)]
-        cached_before = scorer.cached_tokens
+        cached_before = scorer.tokens_cached
         full = [scorer.score(p, [steps])[0] for p, steps in zip(prompts, paths)]
         assert full == [pytest.approx(e, abs=TOLERANCE) for e in expected]
         assert [f[:1] for f in full] == first
-        assert scorer.cached_tokens - cached_before > 0, "the extended paths should reuse the cached prefix"
+        assert scorer.tokens_cached - cached_before > 0, "the extended paths should reuse the cached prefix"
         mean_scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
         mean_scorer.pooling = "mean"
         expected_mean = reference_scores(base_dir, random_head(1, "mean"), tmp_path / "features")

@@ -78,38 +78,52 @@ class StepMemo:
             raise ValueError(f"memo size must be at least 1 path, got {max_paths}")
         self.max_paths = max_paths
         self._entries: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, ...]] = OrderedDict()
+        # every proper prefix of a memoized path -> that path's key: a prefix's scores are the path's first ones
+        self._extends: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def longest_prefix(self, prompt: str, steps: tuple[str, ...]) -> tuple[float, ...]:
-        """The scores of the longest memoized prefix of `steps` (empty when none is memoized)."""
+        """The scores of the longest memoized prefix of `steps` (empty when none is memoized); a prefix of a
+        memoized path counts too."""
         with self._lock:
             for end in range(len(steps), 0, -1):
                 key = (prompt, steps[:end])
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                    return self._entries[key]
+                stored = key if key in self._entries else self._extends.get(key)
+                if stored is not None:
+                    self._entries.move_to_end(stored)
+                    return self._entries[stored][:end]
         return ()
 
     def put(self, prompt: str, steps: tuple[str, ...], scores: Sequence[float]) -> None:
         assert len(scores) == len(steps), f"memo entry with {len(steps)} steps got {len(scores)} scores"
         with self._lock:
-            self._entries[(prompt, steps)] = tuple(scores)
-            self._entries.move_to_end((prompt, steps))
+            key = (prompt, steps)
+            self._entries[key] = tuple(scores)
+            self._entries.move_to_end(key)
+            for end in range(1, len(steps)):
+                self._extends[(prompt, steps[:end])] = key
             while len(self._entries) > self.max_paths:
-                self._entries.popitem(last=False)
+                (old_prompt, old_steps), _ = self._entries.popitem(last=False)
+                for end in range(1, len(old_steps)):
+                    prefix = (old_prompt, old_steps[:end])
+                    if self._extends.get(prefix) == (old_prompt, old_steps):
+                        del self._extends[prefix]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._extends.clear()
 
     def check_integrity(self) -> None:
         with self._lock:
             assert len(self._entries) <= self.max_paths, f"memo holds {len(self._entries)} > {self.max_paths} paths"
             for (_, steps), scores in self._entries.items():
                 assert len(scores) == len(steps), f"memo entry of {len(steps)} steps holds {len(scores)} scores"
+            for (prompt, prefix), stored in self._extends.items():
+                assert stored in self._entries and stored[1][:len(prefix)] == prefix, "a prefix points to its path"
 
 
 class StepScorer(ABC):

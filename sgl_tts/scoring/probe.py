@@ -12,9 +12,9 @@ read with `return_logprob` and `token_ids_logprob` as the logprob-tag PRMs are (
 of w·h over tokens is w·mean(h), so "mean" pooling folds the same way. `probe.json` in the checkpoint folder
 carries b, the pooling and the two token ids.
 
-The score of step k depends only on the prompt and steps 1..k, so the scorer remembers scores it has given
-and asks for logprobs only from the first new step on: SGLang serves a cached prefix up to
-`logprob_start_len` (DESIGN.md), so in a search only the new step's tokens are computed.
+The score of step k depends only on the prompt and steps 1..k, so StepScorer's memo supplies the scores
+already given and the scorer asks for logprobs only from the first new step on: SGLang serves a cached
+prefix up to `logprob_start_len` (docs/sglang.md), so in a search only the new step's tokens are computed.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import hashlib
 import json
 import math
 import shutil
-import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from sgl_tts.runtime.models import register_builtin_model
 from sgl_tts.runtime.server import http_json, request_timeout
-from sgl_tts.scoring.base import ScorerError, StepScorer
+from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
 from sgl_tts.scoring.config import ScorerConfig
 
 Pooling = Literal["last", "mean"]
@@ -169,7 +167,6 @@ class ProbeScorer(StepScorer):
     """P(step correct) from a probe checkpoint (`build_probe_checkpoint`) on a plain SGLang runtime."""
 
     name = "probe"
-    memory_size = 100_000  # step scores remembered (prompt + steps -> score), least recently used dropped
 
     def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
         super().__init__()
@@ -183,24 +180,15 @@ class ProbeScorer(StepScorer):
         self.pooling: Pooling = probe["pooling"]
         self.bias = float(probe["bias"])
         self.positive_id, self.negative_id = int(probe["positive_token_id"]), int(probe["negative_token_id"])
-        self._memory: OrderedDict[tuple[str, ...], float] = OrderedDict()
-        self._memory_lock = threading.Lock()
-        self.cached_tokens = 0  # prompt tokens the runtime served from its radix cache
 
-    def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
-        known = [self._recall(prompt, steps) for steps in paths]
-        requests = []  # (path index, ids, spans, first step to score)
-        for index, steps in enumerate(paths):
-            if len(known[index]) < len(steps):
-                ids, spans = step_spans(self.tokenizer, prompt, steps)
-                requests.append((index, ids, spans, len(known[index])))
-        if requests:
-            for (index, ids, spans, first), scores in zip(requests, self._request(requests), strict=True):
-                known[index] = known[index] + scores
-                self._remember(prompt, paths[index], first, scores)
-        return known
+    def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
+        """One batched request for the new steps of every path (StepScorer's memo supplies the rest)."""
+        return self._request([(index, *step_spans(self.tokenizer, prompt, steps), first)
+                              for index, (steps, first) in enumerate(zip(paths, first_new))], counts)
 
-    def _request(self, requests: list[tuple[int, list[int], list[tuple[int, int]], int]]) -> list[list[float]]:
+    def _request(self, requests: list[tuple[int, list[int], list[tuple[int, int]], int]],
+                 counts: ScoreCounts) -> list[list[float]]:
         starts = [readout_positions(spans[first], self.pooling)[0] for _, _, spans, first in requests]
         payload = {
             "input_ids": [ids for _, ids, _, _ in requests],
@@ -218,8 +206,7 @@ class ProbeScorer(StepScorer):
         out = []
         for (_, ids, spans, first), start, answer in zip(requests, starts, answers, strict=True):
             meta = answer["meta_info"]
-            self._count(len(ids))
-            self.cached_tokens += int(meta.get("cached_tokens", 0))
+            self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
             scores = []
             for span in spans[first:]:
                 # The distribution at position p is input entry p + 1 - start (entry j predicts token
@@ -235,24 +222,6 @@ class ProbeScorer(StepScorer):
         """logprob(+) - logprob(-) = w·h, from SGLang's [[logprob, id, text], ...]."""
         logprob = {int(item[1]): float(item[0]) for item in entry}
         return logprob[self.positive_id] - logprob[self.negative_id]
-
-    def _recall(self, prompt: str, steps: Sequence[str]) -> list[float]:
-        scores = []
-        with self._memory_lock:
-            for k in range(len(steps)):
-                key = (prompt, *steps[:k + 1])
-                if key not in self._memory:
-                    break
-                self._memory.move_to_end(key)
-                scores.append(self._memory[key])
-        return scores
-
-    def _remember(self, prompt: str, steps: Sequence[str], first: int, scores: list[float]) -> None:
-        with self._memory_lock:
-            for k, value in enumerate(scores, start=first):
-                self._memory[(prompt, *steps[:k + 1])] = value
-            while len(self._memory) > self.memory_size:
-                self._memory.popitem(last=False)
 
 
 def _sigmoid(x: float) -> float:
