@@ -144,9 +144,7 @@ class ObservedScorer(_Proxy):
         self._on_scored = on_scored
 
     def score(self, prompt: str, paths: Sequence[Sequence[str]]) -> list[list[float]]:
-        scores = self._inner.score(prompt, paths)
-        self._on_scored(scores)
-        return scores
+        return self.score_counted(prompt, paths).scores
 
     def score_counted(self, prompt: str, paths: Sequence[Sequence[str]]) -> Any:
         scored = self._inner.score_counted(prompt, paths)
