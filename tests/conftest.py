@@ -45,3 +45,22 @@ def policy_runtime(tmp_path_factory):
     runtime = Runtime.start(config, name="policy", log_dir=folder)
     yield runtime, trace
     runtime.stop()
+
+
+@pytest.fixture(scope="session")
+def priority_runtime(tmp_path_factory):
+    """A tiny-model runtime started with the settings FastTTS's P and S give the generator (the plugin's
+    prefix policy, priority scheduling), one request running at a time so a new one must preempt to run."""
+    import dataclasses
+
+    from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+    from sgl_tts.search.api import SearchConfig
+
+    fast = FastTTSConfig(prefix_order=True, speculative=True)
+    generator = RuntimeConfig(model="tiny-random", max_total_tokens=4096, startup_timeout_s=600)
+    settings = configure_runtimes(fast, SearchConfig(), generator, None)
+    config = dataclasses.replace(settings.generator, max_running_requests=1)
+    runtime = Runtime.start(config, name="priority", log_dir=tmp_path_factory.mktemp("priority-runtime"))
+    yield runtime, fast
+    runtime.stop()

@@ -60,3 +60,49 @@ def test_beam_search_with_speculation_on_a_real_runtime(tiny_search_runtimes, ti
     for candidate in result.candidates:
         assert len(candidate.step_scores) == len(candidate.steps) <= config.max_steps
         assert candidate.tokens <= config.max_tokens
+
+
+def test_a_standard_request_preempts_a_speculative_one(priority_runtime):
+    """On a runtime with FastTTS's priority scheduling and plugin, a standard request arriving while a
+    speculative one holds the only running slot is served first; the speculative request is paused, not
+    lost: it resumes and answers its partial text when aborted."""
+    from sgl_tts.runtime.server import http_json
+
+    runtime, fast = priority_runtime
+    finished, answers, lock = [], {}, threading.Lock()
+
+    def send(rid, priority, max_new_tokens):
+        answer = http_json(runtime.url + "/generate", {
+            "rid": rid, "text": "The answer is", "priority": priority,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}})
+        with lock:
+            finished.append(rid)
+            answers[rid] = answer
+
+    def loads():
+        ranks = http_json(runtime.url + "/v1/loads?include=core")["loads"]
+        return (sum(int(r.get("num_running_reqs", 0)) for r in ranks),
+                sum(int(r.get("num_waiting_reqs", 0)) for r in ranks))
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    # The speculative request is as long as the context: it cannot finish while the test runs.
+    speculative = threading.Thread(target=send, args=("spec", fast.speculative_priority, 2000))
+    speculative.start()
+    wait_for(lambda: loads()[0] == 1, "the speculative request to run")
+    standard = threading.Thread(target=send, args=("standard", fast.standard_priority, 4))
+    standard.start()
+    standard.join(timeout=300)
+    assert finished == ["standard"], f"the standard request should finish first; finished: {finished}"
+    wait_for(lambda: loads()[0] == 1, "the speculative request to resume")
+    http_json(runtime.url + "/abort_request", {"rid": "spec"})
+    speculative.join(timeout=300)
+    runtime.check_alive()
+    meta = answers["spec"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 2000
+    assert answers["standard"]["meta_info"]["completion_tokens"] == 4
