@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/sgl-tts run --config $(RUN_CONFIG)
+	.venv/bin/sgl-tts run --config $(RUN_CONFIG) --compare
 
 test: setup
 	$(PY) -m pytest -q -ra

@@ -56,7 +56,7 @@ def test_shipped_configs_load():
     from pathlib import Path
 
     shipped = sorted((Path(__file__).resolve().parent.parent / "sgl_tts" / "configs").glob("*.yaml"))
-    assert {"cpu-default.yaml", "rsd-cpu.yaml", "cpu-probe.yaml", "serve-tiny.yaml"} <= {p.name for p in shipped}
+    assert {"cpu-default.yaml", "rsd-cpu.yaml", "cpu-likelihood.yaml", "serve-tiny.yaml"} <= {p.name for p in shipped}
     for path in shipped:
         load_yaml(RunConfig, path)
 

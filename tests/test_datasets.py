@@ -129,9 +129,30 @@ def test_missing_file(tmp_path):
         load_problems(tmp_path / "absent.jsonl")
 
 
+def _arithmetic(node):
+    """The value of an expression of integers, +, - and * (parsed, never executed)."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+    if isinstance(node, ast.Expression):
+        return _arithmetic(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    assert isinstance(node, ast.BinOp) and type(node.op) in ops, ast.dump(node)
+    return ops[type(node.op)](_arithmetic(node.left), _arithmetic(node.right))
+
+
 def test_builtin_problems():
+    import ast
+
     problems = builtin_problems()
-    assert 8 <= len(problems) <= 12
+    assert 18 <= len(problems) <= 24
+    bare = [p for p in problems if p.question.startswith("What is ")]
+    assert len(bare) == 10
+    for problem in bare:
+        expression = problem.question.removeprefix("What is ").removesuffix("?")
+        assert str(_arithmetic(ast.parse(expression, mode="eval"))) == problem.gold, problem.id
     assert len({p.id for p in problems}) == len(problems)
     assert all(p.gold.isdigit() and p.question.endswith("?") for p in problems)
     assert [p.id for p in load_problems("builtin", limit=2)] == [p.id for p in problems[:2]]

@@ -46,7 +46,7 @@ def data(tmp_path):
 def configs(tmp_path):
     paths = []
     for name in ("likelihood-arm", "other-arm"):
-        shutil.copy(REPO / "sgl_tts" / "configs" / "cpu-default.yaml", tmp_path / f"{name}.yaml")
+        shutil.copy(REPO / "sgl_tts" / "configs" / "cpu-likelihood.yaml", tmp_path / f"{name}.yaml")
         paths.append(str(tmp_path / f"{name}.yaml"))
     return paths
 

@@ -81,3 +81,16 @@ def test_the_configs_ship_in_the_wheel_and_work_installed(tmp_path):
     assert Path(where.stdout.strip()).is_relative_to(site), "the installed copy must be the one imported"
     proc = _run_cli(["run", "--program", "rsd"], cwd=elsewhere, PYTHONPATH=str(site))
     assert proc.returncode == 2 and "needs 'target'" in proc.stderr, proc.stderr
+
+
+def test_every_packaged_config_loads_and_each_gpu_verifier_config_is_complete():
+    from sgl_tts.scoring.prm import classifier_runtime_config
+
+    configs = {path.stem: load_run_config(path.stem) for path in SOURCE_CONFIGS.glob("*.yaml")}
+    gpu = {name: config for name, config in configs.items() if name.startswith("gpu-")}
+    assert {c.scorer.kind for c in gpu.values()} == {"math_shepherd", "rlhflow", "classifier"}
+    for name, config in gpu.items():
+        assert config.generator.device == config.scorer.runtime.device == "cuda", name
+    qwen = gpu["gpu-qwen-prm"].scorer.runtime
+    cached = classifier_runtime_config(qwen.model, cached=True)
+    assert (qwen.env, qwen.is_embedding, qwen.extra_args) == (cached.env, cached.is_embedding, cached.extra_args)

@@ -84,8 +84,11 @@ def test_step_spans_cover_each_step_and_extend_as_a_prefix(tokenizer):
     longer, _ = step_spans(tokenizer, "Q: ", ["one\n\n", "two", " three"])
     assert longer[:len(ids)] == ids
     assert list(readout_positions((3, 6), "last")) == [5] and list(readout_positions((3, 6), "mean")) == [3, 4, 5]
-    with pytest.raises(ValueError, match="step 1 is empty"):
-        step_spans(tokenizer, "Q: ", ["one", ""])
+    ids, spans = step_spans(tokenizer, "Q: ", ["one", ""])  # an empty step reads the token before it
+    assert spans[1] == (len(ids), len(ids))
+    assert all(list(readout_positions(spans[1], pooling)) == [len(ids) - 1] for pooling in ("last", "mean"))
+    with pytest.raises(ValueError, match="step 0 is empty and nothing comes before it"):
+        step_spans(tokenizer, "", [""])
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
@@ -185,6 +188,10 @@ def test_scorer_reads_each_step_once_and_matches_the_reference(checkpoint, base_
     assert runtime.requests[1]["logprob_start_len"] == [spans[2][1] - 1]
     assert scorer.score(prompt, [steps]) == [pytest.approx(expected[0], abs=TOLERANCE)]
     assert len(runtime.requests) == 2, "a path scored before needs no request"
+    # An empty step (the generator stopped at once) reads the token before it: with last-token pooling,
+    # the same score as the step before.
+    (empty,) = scorer.score(prompt, [steps[:1] + [""]])
+    assert empty == [pytest.approx(expected[0][0], abs=TOLERANCE)] * 2
 
 
 def test_scorer_refuses_a_model_without_probe_file(tmp_path, tokenizer):

@@ -54,7 +54,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with Session(config) as session:
         print(f"runtimes ready in {session.started_s:.0f} s: "
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
-        return print_run(_write_trees(session.solve_all(problems), args.tree), config)
+        searched: list = []
+        code = print_run(_collect(_write_trees(session.solve_all(problems), args.tree), searched), config)
+        if args.compare:
+            from sgl_tts.app.compare import print_comparison, run_comparison
+
+            print_comparison(run_comparison(session, problems, searched))
+        return code
+
+
+def _collect(pairs, into: list):
+    """Pass pairs through, keeping each in `into`."""
+    for pair in pairs:
+        into.append(pair)
+        yield pair
 
 
 def _write_trees(results, folder):
@@ -83,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
     run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
     run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
+    run.add_argument("--compare", action="store_true",
+                     help="then self-consistency at matched tokens and the search with FastTTS off, side by side")
     run.set_defaults(func=_cmd_run)
 
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")

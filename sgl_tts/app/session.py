@@ -159,19 +159,22 @@ class Session:
         self.search_runtimes.extras["rsd"] = self.config.rsd
 
     def solve(self, problem: Any, search: SearchConfig | None = None) -> SearchResult:
-        """One search. Its runtimes are a per-run view (`Runtimes.for_run`): every generator request it sends
-        is counted, so a program that counts nothing itself still reports the server's token counts."""
+        """One search with `search` (default: the config's), whose `program` it runs. Its runtimes are a per-run
+        view (`Runtimes.for_run`): every generator request it sends is counted, so a program that counts
+        nothing itself still reports the server's token counts."""
         search = search or self.config.search
+        program = self.program if search.program == self.config.search.program else load_program(search.program)
         runtimes = self.search_runtimes.for_run(search.seed, str(problem.id))
-        return fill_in_counts(self.program(problem, search, runtimes), runtimes.ledger)
+        return fill_in_counts(program(problem, search, runtimes), runtimes.ledger)
 
-    def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None
-                  ) -> Iterator[tuple[Any, SearchResult]]:
-        """Solve problems `concurrency` at a time; yields (problem, result) as each finishes, in order. A search
-        that failed mid-way (`SearchError`) yields its partial result, whose `error` says what failed."""
+    def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None,
+                  search: Callable[[Any], SearchConfig] | None = None) -> Iterator[tuple[Any, SearchResult]]:
+        """Solve problems `concurrency` at a time (each with `search(problem)`, default the config's search);
+        yields (problem, result) as each finishes, in order. A search that failed mid-way (`SearchError`)
+        yields its partial result, whose `error` says what failed."""
         problems = list(problems)
         with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
-            futures = [pool.submit(self.solve, p) for p in problems]
+            futures = [pool.submit(self.solve, p, search(p) if search else None) for p in problems]
             for problem, future in zip(problems, futures):
                 try:
                     result = future.result()

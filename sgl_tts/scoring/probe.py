@@ -82,22 +82,23 @@ def step_spans(tokenizer: Any, prompt: str, steps: Sequence[str]) -> tuple[list[
     """Token ids of prompt + steps, each tokenized on its own, and each step's [start, end) token range.
 
     Tokenizing piece by piece keeps a path's ids a prefix of its extensions' ids (radix reuse) and step
-    boundaries on token boundaries. Training and serving both lay out text with this function."""
+    boundaries on token boundaries. Training and serving both lay out text with this function. An empty step
+    (a generator that stopped at once) has an empty range: its score reads the text before it."""
     ids = list(tokenizer(prompt, add_special_tokens=False).input_ids)
     spans = []
     for step in steps:
         start = len(ids)
         ids += tokenizer(step, add_special_tokens=False).input_ids
-        if len(ids) == start:
-            raise ValueError(f"step {len(spans)} is empty: every step needs at least one token")
+        if len(ids) == 0:
+            raise ValueError(f"step {len(spans)} is empty and nothing comes before it: no token to read it at")
         spans.append((start, len(ids)))
     return ids, spans
 
 
 def readout_positions(span: tuple[int, int], pooling: Pooling) -> range:
-    """The token positions whose hidden states a step's score reads."""
+    """The token positions whose hidden states a step's score reads (an empty step: the token before it)."""
     start, end = span
-    return range(end - 1, end) if pooling == "last" else range(start, end)
+    return range(end - 1, end) if pooling == "last" or start == end else range(start, end)
 
 
 def build_probe_checkpoint(head: ProbeHead, base_dir: str | Path, out_dir: str | Path) -> Path:

@@ -53,6 +53,7 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?[ \t]*([^\n]*)", re.IGNORECASE)
 _NUMBER_WITH_UNITS = re.compile(r"(-?[\d,]*\.?\d+)\s+[A-Za-z][A-Za-z\s]*")
+_WORDS_THEN_NUMBER = re.compile(r"(?:[A-Za-z]+\s+)+(-?[\d,]*\.?\d+)(?:\s+[A-Za-z][A-Za-z\s]*)?")
 _SENTENCE_END = re.compile(r"\.\s")
 
 
@@ -95,7 +96,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _clean_phrase_answer(raw: str) -> str | None:
-    """Tidy the text after "The answer is" / "####": one sentence, no math delimiters, units dropped."""
+    """Tidy the text after "The answer is" / "####": one sentence, no math delimiters, units and words around
+    a lone number dropped ("indeed 12 eggs" -> "12")."""
     answer = raw.strip()
     sentence_end = _SENTENCE_END.search(answer)
     if sentence_end:
@@ -103,9 +105,11 @@ def _clean_phrase_answer(raw: str) -> str | None:
     for delimiter in ("**", "$", "\\(", "\\)", "\\[", "\\]"):
         answer = answer.replace(delimiter, "")
     answer = answer.strip().rstrip(".!;, ").strip()
-    units = _NUMBER_WITH_UNITS.fullmatch(answer)
-    if units:
-        answer = units.group(1)
+    if answer.startswith("\\boxed"):  # a \boxed{ cut off before its closing brace
+        return None
+    lone_number = _NUMBER_WITH_UNITS.fullmatch(answer) or _WORDS_THEN_NUMBER.fullmatch(answer)
+    if lone_number:
+        answer = lone_number.group(1)
     return answer or None
 
 

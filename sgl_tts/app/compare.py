@@ -1,0 +1,120 @@
+"""`sgl-tts run --compare`: what the configured search buys, side by side in one run.
+
+Three arms on the same problems, after one another:
+1. the configured search (the CPU default: beam search with its verifier, FastTTS switches as configured);
+2. self-consistency (majority vote, no verifier) at matched generated tokens, on the same runtimes: it draws
+   about as many whole solutions per problem as arm 1's tokens pay for (`samples_to_match`), and its vote
+   counts the first samples, in launch order, whose tokens add up to no more than arm 1 spent on that
+   problem (`matched_vote`);
+3. the configured search with the FastTTS switches (P, M, S) turned off, on runtimes restarted for it.
+Each arm runs once: the goodput ratio of 3 against 1 is one run's, not a claim (`sgl-tts bench fasttts`
+repeats and interleaves arms to claim one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any, Sequence
+
+from sgl_tts.search.grading import grade
+from sgl_tts.search.records import SearchResult
+from sgl_tts.search.selection import majority_vote
+
+SC_MAX_SAMPLES = 16  # self-consistency's largest draw per problem
+
+
+def samples_to_match(result: SearchResult, max_tokens: int) -> int:
+    """How many whole solutions self-consistency draws to spend `result`'s generated tokens: that count over
+    the mean length of the search's finished paths (a whole solution's length), plus one to spare; 2 to
+    SC_MAX_SAMPLES."""
+    lengths = [c.tokens for c in result.candidates if c.finish_reason != "pruned" and c.tokens > 0]
+    per_solution = statistics.fmean(lengths) if lengths else max_tokens
+    return min(SC_MAX_SAMPLES, max(2, math.ceil(result.generated_tokens / per_solution) + 1))
+
+
+def matched_vote(result: SearchResult, budget: int) -> SearchResult:
+    """`result` (self-consistency) cut to its first candidates whose tokens sum to at most `budget` (at
+    least one), with the majority answer of those and their token count as its generated tokens."""
+    kept, spent = [], 0
+    for candidate in result.candidates:
+        if kept and spent + candidate.tokens > budget:
+            break
+        kept.append(candidate)
+        spent += candidate.tokens
+    answer = majority_vote([c.answer for c in kept])
+    return dataclasses.replace(result, candidates=kept, answer=answer, generated_tokens=spent,
+                               extra={**result.extra, "samples_drawn": len(result.candidates)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmSummary:
+    label: str
+    solved: int
+    problems: int
+    tokens_per_problem: float
+    goodput: float  # mean precise goodput, tok/s
+    p50_latency_s: float
+    samples: str = ""  # self-consistency: samples counted of drawn
+
+    @classmethod
+    def of(cls, label: str, pairs: Sequence[tuple[Any, SearchResult]], samples: str = "") -> "ArmSummary":
+        results = [r for _, r in pairs]
+        return cls(label, sum(1 for p, r in pairs if p.gold is not None and grade(r.answer, p.gold)), len(pairs),
+                   statistics.fmean(r.generated_tokens for r in results),
+                   statistics.fmean(r.precise_goodput for r in results),
+                   statistics.median(r.total_time_s for r in results), samples)
+
+
+def format_comparison(arms: Sequence[ArmSummary]) -> str:
+    labels = [arm.label + (f" ({arm.samples})" if arm.samples else "") for arm in arms]
+    width = max(len(label) for label in [*labels, "arm"])
+    header = f"{'arm':{width}s} {'solved':>7s} {'tokens/problem':>15s} {'goodput tok/s':>14s} {'p50 latency s':>14s}"
+    lines = [header, "-" * len(header)]
+    for label, arm in zip(labels, arms):
+        lines.append(f"{label:{width}s} {f'{arm.solved}/{arm.problems}':>7s} {arm.tokens_per_problem:15.0f} "
+                     f"{arm.goodput:14.2f} {arm.p50_latency_s:14.1f}")
+    return "\n".join(lines)
+
+
+def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
+                   log=print) -> list[ArmSummary]:
+    """Arms 2 and 3 after `searched`, arm 1's (problem, result) pairs from `session`; returns all three.
+    `session` is closed on return (arm 3 restarts its runtimes)."""
+    from sgl_tts.app.session import Session
+
+    config = session.config
+    search_label = f"{config.search.program} n={config.search.n}, {config.scorer.kind} verifier"
+    arms = [ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched)]
+
+    spent = {str(p.id): r for p, r in searched}
+    sc_search = dataclasses.replace(config.search, program="self_consistency")
+    log("\nself-consistency: per problem, enough samples to spend the search's tokens; the vote counts those "
+        "that fit")
+    consistency = []
+    for problem, result in session.solve_all(problems, search=lambda p: dataclasses.replace(
+            sc_search, n=samples_to_match(spent[str(p.id)], sc_search.max_tokens))):
+        consistency.append((problem, matched_vote(result, spent[str(problem.id)].generated_tokens)))
+    counted = sum(len(r.candidates) for _, r in consistency)
+    drawn = sum(r.extra["samples_drawn"] for _, r in consistency)
+    arms.append(ArmSummary.of("self-consistency, matched tokens", consistency, f"{counted}/{drawn} samples"))
+
+    off = dataclasses.replace(config, fasttts=dataclasses.replace(
+        config.fasttts, prefix_order=False, memory_plan=False, speculative=False))
+    if off.fasttts != config.fasttts:
+        log(f"\n{search_label}, FastTTS off: restarting the runtimes without P, M, S")
+        with Session(off, reuse=session.detach()) as session_off:
+            arms.append(ArmSummary.of(f"{search_label}, FastTTS off", list(session_off.solve_all(problems))))
+    else:
+        session.close()
+        log("\nFastTTS is off in this config: no on/off comparison")
+    return arms
+
+
+def print_comparison(arms: Sequence[ArmSummary]) -> None:
+    print("\nside by side (one run per arm)")
+    print(format_comparison(arms))
+    if len(arms) == 3 and arms[2].goodput > 0:
+        print(f"FastTTS on/off goodput ratio: {arms[0].goodput / arms[2].goodput:.2f}x "
+              f"(one run each; `sgl-tts bench fasttts` repeats the arms and claims only separated ranges)")

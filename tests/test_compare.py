@@ -1,0 +1,100 @@
+"""`sgl-tts run --compare`: self-consistency cut to the search's tokens, on the scripted backend."""
+
+import dataclasses
+
+from collections import Counter
+
+from sgl_tts.app.compare import (SC_MAX_SAMPLES, format_comparison, matched_vote, run_comparison,
+                                 samples_to_match)
+from sgl_tts.app.session import RunConfig, Session
+from sgl_tts.problems import Problem
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.programs import load_program
+from sgl_tts.search.records import Candidate, SearchResult
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+
+def candidate(answer, tokens):
+    return Candidate(steps=[], step_scores=[], score=0.0, answer=answer, tokens=tokens, completion_time_s=1.0,
+                     finish_reason="answer")
+
+
+def test_matched_vote_counts_the_first_samples_within_the_budget():
+    result = SearchResult("p", "self_consistency", "9", [candidate("1", 10), candidate("2", 20), candidate("2", 30),
+                                                          candidate("9", 5), candidate("9", 5), candidate("9", 5)],
+                          generated_tokens=75)
+    cut = matched_vote(result, budget=60)
+    assert [c.tokens for c in cut.candidates] == [10, 20, 30]
+    assert (cut.answer, cut.generated_tokens, cut.extra["samples_drawn"]) == ("2", 60, 6)
+    # The vote stops at the first sample that would overrun, even when later ones are short.
+    assert [c.tokens for c in matched_vote(result, budget=59).candidates] == [10, 20]
+    # A budget below the first sample still counts that one sample.
+    one = matched_vote(result, budget=3)
+    assert (len(one.candidates), one.answer, one.generated_tokens) == (1, "1", 10)
+
+
+def test_samples_to_match_spends_the_search_tokens_in_whole_solutions():
+    def result(tokens, lengths, pruned=()):
+        cands = [candidate("1", t) for t in lengths] + [dataclasses.replace(candidate("1", t), finish_reason="pruned")
+                                                          for t in pruned]
+        return SearchResult("p", "beam_search", "1", cands, generated_tokens=tokens)
+
+    assert samples_to_match(result(400, [100, 100], pruned=[20, 20]), 192) == 5  # 400 / 100, plus one
+    assert samples_to_match(result(410, [100, 100]), 192) == 6  # a part of a solution rounds up
+    assert samples_to_match(result(50, [100]), 192) == 2  # never fewer than two
+    assert samples_to_match(result(10_000, [10]), 192) == SC_MAX_SAMPLES
+    assert samples_to_match(result(384, [], pruned=[30]), 192) == 3  # no finished path: max_tokens each
+
+
+class ScriptedSession(Session):
+    """A `Session` whose runtimes are the scripted backend and scorer (nothing started)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.program = load_program(config.search.program)
+        self.runtimes = {}
+        self._reuse = {}
+        self.search_runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel()), scorer=ScriptedScorer(),
+                                        prompt=lambda q: f"Q: {q}\n\n")
+        self.closed = False
+        self.solved = []  # (program, problem, result) of every search, as they finish (threads)
+
+    def solve(self, problem, search=None):
+        result = super().solve(problem, search)
+        self.solved.append(((search or self.config.search).program, problem, result))
+        return result
+
+    def close(self):
+        self.closed = True
+
+
+def test_self_consistency_votes_with_no_more_tokens_than_the_search_spent():
+    config = RunConfig(search=SearchConfig(program="beam_search", n=4, beam_width=2, max_steps=3, max_step_tokens=16,
+                                           max_tokens=48))
+    session = ScriptedSession(config)
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(4)]
+    searched = list(session.solve_all(problems))
+    lines = []
+    arms = run_comparison(session, problems, searched, log=lines.append)
+    assert session.closed and len(arms) == 2  # FastTTS is off in this config: no third arm, runtimes closed
+    search_arm, sc_arm = arms
+    assert search_arm.tokens_per_problem == sum(r.generated_tokens for _, r in searched) / len(problems)
+    # Recompute the matched vote by brute force: the longest prefix of the samples within the search's tokens.
+    drawn = {problem.id: result for program, problem, result in session.solved if program == "self_consistency"}
+    assert len(drawn) == len(problems) and all(r.program == "self_consistency" for r in drawn.values())
+    counted, solved = 0, 0
+    drawn_total = 0
+    for problem, result in searched:
+        sc = drawn[problem.id]
+        assert len(sc.candidates) == samples_to_match(result, config.search.max_tokens)
+        drawn_total += len(sc.candidates)
+        best = max(k for k in range(1, len(sc.candidates) + 1)
+                   if k == 1 or sum(c.tokens for c in sc.candidates[:k]) <= result.generated_tokens)
+        counted += best
+        votes = Counter(c.answer for c in sc.candidates[:best] if c.answer is not None)
+        solved += bool(votes) and votes.most_common(1)[0][0] == problem.gold
+    assert sc_arm.samples == f"{counted}/{drawn_total} samples"
+    assert sc_arm.solved == solved
+    assert sc_arm.tokens_per_problem <= search_arm.tokens_per_problem or counted == len(problems)
+    table = format_comparison(arms)
+    assert "self-consistency, matched tokens" in table and f"{search_arm.solved}/4" in table
