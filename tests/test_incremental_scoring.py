@@ -417,6 +417,63 @@ def test_classifier_prm_generation_path_matches_reference_and_uses_the_radix_cac
     assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
 
 
+def test_skywork_layout_is_the_models_own_reading(tmp_path):
+    """The scorer's ids are Skywork's layout of the whole solution (every line tokenized on its own and ended
+    by the newline token), and each step is read at its last line's newline; a multi-line step and an empty
+    step included."""
+    from transformers import AutoTokenizer
+
+    from sgl_tts.scoring.prm import SkyworkPRMScorer
+    from sgl_tts.scoring.prm_models.reference import ReferenceValuePRM
+    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
+
+    model_dir = build_tiny_prm(tmp_path, seed=0, value_head=True)
+    reference_prm = ReferenceValuePRM(model_dir)
+    runtime = SimpleNamespace(config=SimpleNamespace(is_embedding=False), url="http://127.0.0.1:1", name="prm")
+    scorer = SkyworkPRMScorer(ScorerConfig(kind="skywork"), runtime, AutoTokenizer.from_pretrained(model_dir))
+    steps = ["Tom starts with 3 apples.\n\n", "He buys 4 more.\nSo 3 + 4 = 7.\n\n", "", "The answer is 7."]
+    ids, positions = scorer.encode("How many apples?", steps)
+    reference_ids, flags = reference_prm.encode("How many apples?", "\n".join(s.strip() for s in steps))
+    assert ids == reference_ids
+    assert positions == [flags[0], flags[2], flags[3], flags[4]]  # step 2 has two lines
+    assert scorer.encode("How many apples?", steps[:2]) == (ids[:positions[1] + 1], positions[:2])  # a prefix
+    with pytest.raises(ValueError, match="generation mode"):
+        SkyworkPRMScorer(ScorerConfig(kind="skywork"), SimpleNamespace(config=SimpleNamespace(is_embedding=True)),
+                         scorer.tokenizer)
+
+
+@pytest.mark.runtime
+def test_skywork_prm_matches_its_reference_and_uses_the_radix_cache(tmp_path_factory):
+    """Skywork's value-head PRM, served by the project's `Qwen2ForPrmModel` in generation mode, gives the
+    transformers reference's rewards, incrementally and in full, with the known steps served from the cache."""
+    from transformers import AutoTokenizer
+
+    from sgl_tts.runtime.server import Runtime
+    from sgl_tts.scoring.prm import classifier_runtime_config
+    from sgl_tts.scoring.prm_models.reference import ReferenceValuePRM
+    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
+
+    model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-value-prm"), seed=0, value_head=True)
+    reference_prm = ReferenceValuePRM(model_dir)
+    question = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
+    prompt = f"<|im_start|>user\n{question}<|im_end|>\n"
+    runtime_config = classifier_runtime_config(str(model_dir), cached=True, startup_timeout_s=1200)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with Runtime.start(runtime_config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
+        incremental = make_scorer(ScorerConfig(kind="skywork"), runtime, tokenizer)
+        full = make_scorer(ScorerConfig(kind="skywork", incremental=False), runtime, tokenizer)
+        counts = []
+        for paths in REAL_GROWTH:
+            rewards = [reference_prm.line_rewards(question, "\n".join(s.strip() for s in p)) for p in paths]
+            expected = [r[:len(p)] for r, p in zip(rewards, paths)]  # one line per step here
+            scored = incremental.score_counted(prompt, paths)
+            counts.append(scored.counts)
+            assert_close(scored.scores, expected, abs=1e-4)
+            assert_close(full.score(prompt, paths), expected, abs=1e-4)
+    assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
+    assert len({round(x, 3) for r in expected for x in r}) > 1, "rewards should differ between steps"
+
+
 def test_bench_call_log_records_each_call_and_the_table_compares_the_arms():
     from sgl_tts.bench.verifier import CallLog, format_table
 

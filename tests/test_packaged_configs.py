@@ -88,9 +88,10 @@ def test_every_packaged_config_loads_and_each_gpu_verifier_config_is_complete():
 
     configs = {path.stem: load_run_config(path.stem) for path in SOURCE_CONFIGS.glob("*.yaml")}
     gpu = {name: config for name, config in configs.items() if name.startswith("gpu-")}
-    assert {c.scorer.kind for c in gpu.values()} == {"math_shepherd", "rlhflow", "classifier"}
+    assert {c.scorer.kind for c in gpu.values()} == {"math_shepherd", "rlhflow", "classifier", "skywork"}
     for name, config in gpu.items():
         assert config.generator.device == config.scorer.runtime.device == "cuda", name
-    qwen = gpu["gpu-qwen-prm"].scorer.runtime
-    cached = classifier_runtime_config(qwen.model, cached=True)
-    assert (qwen.env, qwen.is_embedding, qwen.extra_args) == (cached.env, cached.is_embedding, cached.extra_args)
+    for name in ("gpu-qwen-prm", "gpu-skywork-prm"):  # our model classes, served in generation mode
+        runtime = gpu[name].scorer.runtime
+        cached = classifier_runtime_config(runtime.model, cached=True)
+        assert (runtime.env, runtime.is_embedding, runtime.extra_args) == (cached.env, False, cached.extra_args)

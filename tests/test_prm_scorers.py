@@ -57,7 +57,7 @@ def test_every_kind_is_made_by_the_factory(tokenizer):
     made = {kind: type(make_scorer(ScorerConfig(kind=kind), NoRuntime(), tokenizer))
             for kind in ("likelihood", "math_shepherd", "rlhflow")}
     assert made == {"likelihood": LikelihoodScorer, "math_shepherd": MathShepherdScorer, "rlhflow": RLHFlowScorer}
-    assert set(SCORER_KINDS) == {"likelihood", "math_shepherd", "rlhflow", "classifier", "probe"}
+    assert set(SCORER_KINDS) == {"likelihood", "math_shepherd", "rlhflow", "classifier", "probe", "skywork"}
 
 
 def test_unknown_scorer_kind_lists_the_known_ones(tmp_path):

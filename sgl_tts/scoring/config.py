@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sgl_tts.runtime.server import RuntimeConfig
 
-KINDS = ("likelihood", "math_shepherd", "rlhflow", "classifier", "probe")  # sgl_tts.scoring.factory.SCORERS builds each
+KINDS = ("likelihood", "math_shepherd", "rlhflow", "classifier", "probe", "skywork")  # sgl_tts.scoring.factory.SCORERS builds each
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from sgl_tts.registry import Registry
 from sgl_tts.scoring.base import StepScorer
 from sgl_tts.scoring.config import KINDS, ScorerConfig
 from sgl_tts.scoring.likelihood import LikelihoodScorer
-from sgl_tts.scoring.prm import ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer
+from sgl_tts.scoring.prm import ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer, SkyworkPRMScorer
 from sgl_tts.scoring.probe import ProbeScorer
 
 ScorerFactory = Callable[[ScorerConfig, Any, Any], StepScorer]  # (config, runtime, tokenizer) -> scorer
@@ -19,6 +19,7 @@ SCORERS: Registry[ScorerFactory] = Registry("scorer kind", {
     "rlhflow": RLHFlowScorer,
     "classifier": ClassifierPRMScorer,
     "probe": ProbeScorer,  # a trained head on SmolLM2's hidden state (sgl_tts.scoring.probe)
+    "skywork": SkyworkPRMScorer,  # Skywork-o1-Open-PRM's value head (sgl_tts.scoring.prm_models.qwen2_prm)
 })
 assert tuple(SCORERS) == KINDS, "ScorerConfig's KINDS and the SCORERS registry must list the same kinds"
 

@@ -7,9 +7,11 @@
   assistant's k-th `+` is predicted (RLHFlow's Llama-3.1-8B-PRM recipe).
 - `ClassifierPRMScorer` (kind `classifier`): a step-classifier PRM (Qwen2.5-Math-PRM style) served by
   `sgl_tts.scoring.prm_models`; the score is the classifier's P(correct) at the step token after each step.
+- `SkyworkPRMScorer` (kind `skywork`): Skywork-o1-Open-PRM, a value head served by the same package; the
+  score is sigmoid(value) at the newline that ends each step.
 
 The two logprob-tag PRMs run on a plain SGLang runtime: one batched `/generate` with `max_new_tokens=1`,
-`return_logprob` and `token_ids_logprob=[+, -]`. Tags, tokens and ids come from `ScorerConfig`. All three
+`return_logprob` and `token_ids_logprob=[+, -]`. Tags, tokens and ids come from `ScorerConfig`. All of them
 read the question, found in the generator's prompt by `ScorerConfig.question_pattern`.
 """
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-from abc import abstractmethod
 from typing import Any, Sequence
 
 from sgl_tts.runtime.server import RuntimeConfig, http_json, request_timeout
@@ -85,12 +86,17 @@ class LogprobTagScorer(_RuntimePRM):
                              f"set scorer.{field}_id to the token id the PRM was trained to predict")
         return ids[0]
 
-    @abstractmethod
     def layout(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], bool]:
         """(PRM input text, one character offset per step, add the tokenizer's special tokens).
 
         The offset is where the PRM's verdict for the step would be written: the score is read from the
-        next-token distribution of the token that ends exactly there."""
+        next-token distribution of the token that ends exactly there. A PRM lays out text here, or ids in
+        `encode`."""
+        raise NotImplementedError(f"scorer '{self.name}' implements neither layout nor encode")
+
+    def encode(self, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        """(PRM input ids, per step the index of the token whose next-token distribution is its verdict)."""
+        return self.readout_positions(*self.layout(question, steps))
 
     def readout_positions(self, text: str, offsets: Sequence[int], special: bool) -> tuple[list[int], list[int]]:
         """Token ids of `text` and, per offset, the index of the (last) token ending exactly at that offset."""
@@ -109,7 +115,7 @@ class LogprobTagScorer(_RuntimePRM):
     def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
                         counts: ScoreCounts) -> list[list[float]]:
         question = self.question_of(prompt)
-        requests = [self.readout_positions(*self.layout(question, steps)) for steps in paths]
+        requests = [self.encode(question, steps) for steps in paths]
         # Logprob entry j of the input is the distribution at position start + j - 1 (the one predicting
         # token start + j); the last position's distribution is the first output token's. Starting at the
         # first new step's readout lets the runtime serve everything before it from its radix cache (it
@@ -234,3 +240,38 @@ class ClassifierPRMScorer(LogprobTagScorer):
                 raise ScorerError(f"scorer runtime '{self.runtime.name}' returned {len(path_rewards)} step rewards "
                                   f"for {len(steps)} steps")
         return [list(r[first:]) for r, first in zip(rewards, first_new)]
+
+
+class SkyworkPRMScorer(LogprobTagScorer):
+    """Skywork-o1-Open-PRM (`Qwen2ForPrmModel`: a value head, sigmoid(value) at the newline ending a line).
+
+    The PRM reads the tokenizer's BOS, the question and a newline, then every line of the solution tokenized
+    on its own and followed by the newline token, as it was trained to; a step's score is the reward at its
+    last line's newline. The runtime serves the model class in generation mode
+    (`classifier_runtime_config(model, cached=True)`), where the value is folded into the LM head and read
+    through logprobs like the classifier PRM's, with the radix cache on.
+    """
+
+    name = "skywork"
+
+    def __init__(self, config: ScorerConfig, runtime: Any, tokenizer: Any):
+        from sgl_tts.scoring.prm_models import CORRECT_TOKEN, INCORRECT_TOKEN
+
+        _RuntimePRM.__init__(self, config, runtime, tokenizer)
+        if getattr(getattr(runtime, "config", None), "is_embedding", False):
+            raise ValueError("scorer 'skywork' reads the value head through logprobs: serve the PRM in generation "
+                             "mode (sgl_tts.scoring.prm.classifier_runtime_config(model, cached=True))")
+        self.positive_id, self.negative_id = CORRECT_TOKEN, INCORRECT_TOKEN
+        self.newline_id = self._ids("\n")[-1]
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def encode(self, question: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
+        ids = self._ids((self.tokenizer.bos_token or "") + question + "\n")
+        positions = []
+        for step in steps:
+            for line in step.strip().split("\n"):
+                ids += (self._ids(line) if line else []) + [self.newline_id]
+            positions.append(len(ids) - 1)
+        return ids, positions

@@ -1,4 +1,4 @@
-"""`Qwen2ForProcessRewardModel` for SGLang: a Qwen2 step classifier read out at every step token.
+"""`Qwen2ForProcessRewardModel` and `Qwen2ForPrmModel` for SGLang: Qwen2 step verifiers read out per step.
 
 Qwen2.5-Math-PRM applies a 2-layer head, Linear(h, h) -> ReLU -> Linear(h, 2), to the last hidden
 state of every token; the reward of step i is softmax(head logits at the i-th step token `<extra_0>`)[1].
@@ -17,6 +17,10 @@ to start without `--disable-radix-cache` and `--chunked-prefill-size -1` (a step
 or an earlier chunk would be silently skipped), the same rule SGLang applies to its own multi-position
 scoring. The embedding path has no `logprob_start_len` to cap the prefix match at, so it cannot use the
 radix cache.
+
+`Qwen2ForPrmModel` (Skywork-o1-Open-PRM) has a value head instead, `v_head.summary` = Linear(h, 1), and
+P(step correct) = sigmoid(value) at the newline that ends each step. Its two class logits are (0, value),
+so softmax gives the same P(correct) and both paths below serve it unchanged.
 
 **Generation path** (no `--is-embedding`, `/generate` with logprobs): the head is folded into the LM head.
 The head's two logits (l0, l1) at every token, with a constant 1, are the "hidden state" [l0, l1, 1] given
@@ -78,13 +82,17 @@ class Qwen2ForProcessRewardModel(nn.Module):
                 input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = False):
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds)
         if not get_embedding:
-            class_logits = self.score(hidden_states).float()
+            class_logits = self.class_logits(hidden_states).float()
             features = torch.cat([class_logits, torch.ones_like(class_logits[:, :1])], dim=-1)
             return self.logits_processor(input_ids, features.to(hidden_states.dtype), self.folded_head, forward_batch)
         rows = self._readout_rows(input_ids, forward_batch)
         flat = torch.cat(rows).to(hidden_states.device)
-        probs = torch.softmax(self.score(hidden_states[flat]).float(), dim=-1)
+        probs = torch.softmax(self.class_logits(hidden_states[flat]).float(), dim=-1)
         return EmbeddingPoolerOutput(embeddings=list(probs.split([len(r) for r in rows])))
+
+    def class_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2] logits of (incorrect, correct) at every token."""
+        return self.score(hidden_states)
 
     def _readout_rows(self, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> list[torch.Tensor]:
         """Per request, the rows of the flattened batch to read out (int64, on CPU)."""
@@ -102,7 +110,7 @@ class Qwen2ForProcessRewardModel(nn.Module):
         return rows
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF names (`model.*`, `score.0.*`, `score.2.*`); any tensor or parameter left over is an error."""
+        """Load HF names (`model.*` and the head's); any tensor or parameter left over is an error."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -123,6 +131,21 @@ class Qwen2ForProcessRewardModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint has no tensor for parameters {missing}")
         return loaded
+
+
+class Qwen2ForPrmModel(Qwen2ForProcessRewardModel):
+    """Skywork-o1-Open-PRM: the Qwen2 backbone with a value head, `v_head.summary` = Linear(h, 1)."""
+
+    def __init__(self, config: Qwen2Config, quant_config: Optional[QuantizationConfig] = None,
+                 prefix: str = "") -> None:
+        super().__init__(config, quant_config, prefix)
+        del self.score
+        self.v_head = nn.Module()
+        self.v_head.summary = nn.Linear(config.hidden_size, 1)
+
+    def class_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        value = self.v_head.summary(hidden_states)
+        return torch.cat([torch.zeros_like(value), value], dim=-1)  # softmax(0, v)[1] = sigmoid(v)
 
 
 class FoldedHead(nn.Module):
@@ -150,4 +173,4 @@ def _check_server_args() -> None:
         raise ValueError("Qwen2ForProcessRewardModel needs " + "; ".join(problems))
 
 
-EntryClass = [Qwen2ForProcessRewardModel]
+EntryClass = [Qwen2ForProcessRewardModel, Qwen2ForPrmModel]

@@ -58,3 +58,42 @@ def reference_step_rewards(model_dir: str | Path, text_or_ids: str | list[int]) 
 
 def _strip(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {name[len(prefix):]: tensor for name, tensor in weights.items() if name.startswith(prefix)}
+
+
+class ReferenceValuePRM:
+    """Skywork-o1-Open-PRM's reading in transformers: the checkpoint's `Qwen2Model` and its value head
+    `v_head.summary` = Linear(h, 1), in fp32. Its input is the tokenizer's BOS, the question and a newline, then
+    every line of the response tokenized on its own and followed by the newline token; the reward of a line
+    is sigmoid(value) at its newline."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors.torch import load_file
+        from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
+
+        model_dir = Path(model_dir)
+        config = Qwen2Config.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        weights = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        self.backbone = Qwen2Model(config).float().eval()
+        self.value = nn.Linear(config.hidden_size, 1).float().eval()
+        self.backbone.load_state_dict(_strip(weights, "model."), strict=True)
+        self.value.load_state_dict(_strip(weights, "v_head.summary."), strict=True)
+
+    def encode(self, question: str, response: str) -> tuple[list[int], list[int]]:
+        """(input ids, the index of every line's newline token)."""
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        newline = encode("\n")[-1]
+        ids = encode((self.tokenizer.bos_token or "") + question + "\n")
+        flags = []
+        for line in response.split("\n"):
+            ids += (encode(line) if line else []) + [newline]
+            flags.append(len(ids) - 1)
+        return ids, flags
+
+    @torch.no_grad()
+    def line_rewards(self, question: str, response: str) -> list[float]:
+        ids, flags = self.encode(question, response)
+        hidden = self.backbone(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        return torch.sigmoid(self.value(hidden[flags]).squeeze(-1)).tolist()

@@ -1,9 +1,9 @@
-"""A tiny random-weight Qwen2.5-Math-PRM-shaped checkpoint, built deterministically from a seed (for tests).
+"""Tiny random-weight PRM checkpoints, built deterministically from a seed (for tests).
 
-The folder holds what the real model's folder holds, at toy size: a Qwen2 config naming the
-`Qwen2ForProcessRewardModel` architecture, safetensors weights named as in the HF checkpoint
-(`model.*` backbone, `score.0.*` / `score.2.*` head) and a fast tokenizer with the ChatML tokens and
-the step token `<extra_0>`. The tokenizer is byte-level BPE without merges (one token per byte), so it
+The folder holds what the real model's folder holds, at toy size: a Qwen2 config naming the architecture,
+safetensors weights named as in the HF checkpoint (`model.*` backbone; the head: `score.0.*` / `score.2.*`
+for Qwen2.5-Math-PRM's `Qwen2ForProcessRewardModel`, `v_head.summary.*` for Skywork-o1-Open-PRM's
+`Qwen2ForPrmModel`) and a fast tokenizer with the ChatML tokens and the step token `<extra_0>`. The tokenizer is byte-level BPE without merges (one token per byte), so it
 needs no training data and any text tokenizes.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 ARCHITECTURE = "Qwen2ForProcessRewardModel"
+VALUE_ARCHITECTURE = "Qwen2ForPrmModel"
 STEP_TOKEN = "<extra_0>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", STEP_TOKEN)
 
@@ -37,8 +38,9 @@ def build_tokenizer(out_dir: Path):
 
 
 def build_tiny_prm(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
-                   num_heads: int = 4, num_kv_heads: int = 2) -> Path:
-    """Write the checkpoint folder into `out_dir` (created if missing) and return it."""
+                   num_heads: int = 4, num_kv_heads: int = 2, value_head: bool = False) -> Path:
+    """Write the checkpoint folder into `out_dir` (created if missing) and return it: Qwen2.5-Math-PRM's
+    shape, or with `value_head` Skywork-o1-Open-PRM's."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2Model
 
@@ -54,7 +56,7 @@ def build_tiny_prm(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, nu
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
     )
-    config.architectures = [ARCHITECTURE]
+    config.architectures = [VALUE_ARCHITECTURE if value_head else ARCHITECTURE]
     # Not in the real checkpoint's config: lets plain /encode requests read out at the step token.
     config.step_token_id = tokenizer.convert_tokens_to_ids(STEP_TOKEN)
 
@@ -71,9 +73,11 @@ def build_tiny_prm(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, nu
         tensors[f"model.{name}"] = param.detach().float().contiguous().clone()
     # Unit-variance layers give logits of order 1: step probabilities spread over (0, 1), so a wrong
     # readout position shows.
-    for index, shape in ((0, (hidden_size, hidden_size)), (2, (2, hidden_size))):
-        tensors[f"score.{index}.weight"] = torch.randn(shape, generator=generator) / hidden_size**0.5
-        tensors[f"score.{index}.bias"] = 0.1 * torch.randn(shape[:1], generator=generator)
+    heads = ({"v_head.summary": (1, hidden_size)} if value_head else
+             {"score.0": (hidden_size, hidden_size), "score.2": (2, hidden_size)})
+    for name, shape in heads.items():
+        tensors[f"{name}.weight"] = torch.randn(shape, generator=generator) / hidden_size**0.5
+        tensors[f"{name}.bias"] = 0.1 * torch.randn(shape[:1], generator=generator)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config_dict = config.to_dict()
