@@ -385,36 +385,55 @@ def test_math_shepherd_incremental_equals_full_on_a_runtime(tiny_runtime, tiny_t
     assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
 
 
+def classifier_expected(model_dir, question, paths):
+    from sgl_tts.scoring.prm_models.client import build_prm_text
+    from sgl_tts.scoring.prm_models.reference import ReferencePRM
+
+    reference_prm = ReferencePRM(model_dir)
+    return [reference_prm.step_rewards(build_prm_text(question, [s.strip() for s in p])) for p in paths]
+
+
+def skywork_expected(model_dir, question, paths):
+    from sgl_tts.scoring.prm_models.reference import ReferenceValuePRM
+
+    reference_prm = ReferenceValuePRM(model_dir)
+    rewards = [reference_prm.line_rewards(question, "\n".join(s.strip() for s in p)) for p in paths]
+    assert all(len(r) == len(p) for r, p in zip(rewards, paths)), "one line per step in REAL_GROWTH"
+    return rewards
+
+
 @pytest.mark.runtime
-def test_classifier_prm_generation_path_matches_reference_and_uses_the_radix_cache(tmp_path_factory):
-    """The folded head read through logprobs on a radix-cached runtime gives the reference's step rewards,
-    incrementally and in full, and serves the known steps from the cache."""
+@pytest.mark.parametrize("kind, value_head, expected_of", [("classifier", False, classifier_expected),
+                                                           ("skywork", True, skywork_expected)])
+def test_folded_prm_matches_its_reference_and_uses_the_radix_cache(tmp_path_factory, kind, value_head, expected_of):
+    """This project's PRM model classes (Qwen2.5-Math-PRM's classifier, Skywork's value head) served in
+    generation mode, the head folded into the LM head and read through logprobs on a radix-cached runtime,
+    give the transformers reference's step rewards, incrementally and in full, and serve the known steps
+    from the cache."""
     from transformers import AutoTokenizer
 
     from sgl_tts.runtime.server import Runtime
     from sgl_tts.scoring.prm import classifier_runtime_config
-    from sgl_tts.scoring.prm_models.client import build_prm_text
-    from sgl_tts.scoring.prm_models.reference import ReferencePRM
     from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
 
-    model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
-    reference_prm = ReferencePRM(model_dir)
+    model_dir = build_tiny_prm(tmp_path_factory.mktemp(f"tiny-{kind}"), seed=0, value_head=value_head)
     question = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
     prompt = f"<|im_start|>user\n{question}<|im_end|>\n"
     runtime_config = classifier_runtime_config(str(model_dir), cached=True, startup_timeout_s=1200)
     assert not runtime_config.is_embedding and "--disable-radix-cache" not in runtime_config.extra_args
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with Runtime.start(runtime_config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
-        incremental = make_scorer(ScorerConfig(kind="classifier"), runtime, tokenizer)
-        full = make_scorer(ScorerConfig(kind="classifier", incremental=False), runtime, tokenizer)
+        incremental = make_scorer(ScorerConfig(kind=kind), runtime, tokenizer)
+        full = make_scorer(ScorerConfig(kind=kind, incremental=False), runtime, tokenizer)
         counts = []
         for paths in REAL_GROWTH:
-            expected = [reference_prm.step_rewards(build_prm_text(question, [s.strip() for s in p])) for p in paths]
+            expected = expected_of(model_dir, question, paths)
             scored = incremental.score_counted(prompt, paths)
             counts.append(scored.counts)
             assert_close(scored.scores, expected, abs=1e-4)
             assert_close(full.score(prompt, paths), expected, abs=1e-4)
     assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
+    assert len({round(x, 3) for r in expected for x in r}) > 1, "rewards should differ between steps"
 
 
 def test_skywork_layout_is_the_models_own_reading(tmp_path):
@@ -440,38 +459,6 @@ def test_skywork_layout_is_the_models_own_reading(tmp_path):
     with pytest.raises(ValueError, match="generation mode"):
         SkyworkPRMScorer(ScorerConfig(kind="skywork"), SimpleNamespace(config=SimpleNamespace(is_embedding=True)),
                          scorer.tokenizer)
-
-
-@pytest.mark.runtime
-def test_skywork_prm_matches_its_reference_and_uses_the_radix_cache(tmp_path_factory):
-    """Skywork's value-head PRM, served by the project's `Qwen2ForPrmModel` in generation mode, gives the
-    transformers reference's rewards, incrementally and in full, with the known steps served from the cache."""
-    from transformers import AutoTokenizer
-
-    from sgl_tts.runtime.server import Runtime
-    from sgl_tts.scoring.prm import classifier_runtime_config
-    from sgl_tts.scoring.prm_models.reference import ReferenceValuePRM
-    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
-
-    model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-value-prm"), seed=0, value_head=True)
-    reference_prm = ReferenceValuePRM(model_dir)
-    question = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
-    prompt = f"<|im_start|>user\n{question}<|im_end|>\n"
-    runtime_config = classifier_runtime_config(str(model_dir), cached=True, startup_timeout_s=1200)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with Runtime.start(runtime_config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
-        incremental = make_scorer(ScorerConfig(kind="skywork"), runtime, tokenizer)
-        full = make_scorer(ScorerConfig(kind="skywork", incremental=False), runtime, tokenizer)
-        counts = []
-        for paths in REAL_GROWTH:
-            rewards = [reference_prm.line_rewards(question, "\n".join(s.strip() for s in p)) for p in paths]
-            expected = [r[:len(p)] for r, p in zip(rewards, paths)]  # one line per step here
-            scored = incremental.score_counted(prompt, paths)
-            counts.append(scored.counts)
-            assert_close(scored.scores, expected, abs=1e-4)
-            assert_close(full.score(prompt, paths), expected, abs=1e-4)
-    assert all(c.cached_tokens > 0 for c in counts[1:]), [c.as_dict() for c in counts]
-    assert len({round(x, 3) for r in expected for x in r}) > 1, "rewards should differ between steps"
 
 
 def test_bench_call_log_records_each_call_and_the_table_compares_the_arms():
