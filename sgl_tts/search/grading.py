@@ -52,8 +52,7 @@ class GradingError(RuntimeError):
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?[ \t]*([^\n]*)", re.IGNORECASE)
-_NUMBER_WITH_UNITS = re.compile(r"(-?[\d,]*\.?\d+)\s+[A-Za-z][A-Za-z\s]*")
-_WORDS_THEN_NUMBER = re.compile(r"(?:[A-Za-z]+\s+)+(-?[\d,]*\.?\d+)(?:\s+[A-Za-z][A-Za-z\s]*)?")
+_NUMBER_AMONG_WORDS = re.compile(r"(?:[A-Za-z]+\s+)*(-?[\d,]*\.?\d+)(?:\s+[A-Za-z][A-Za-z\s]*)?")
 _SENTENCE_END = re.compile(r"\.\s")
 
 
@@ -107,7 +106,7 @@ def _clean_phrase_answer(raw: str) -> str | None:
     answer = answer.strip().rstrip(".!;, ").strip()
     if answer.startswith("\\boxed"):  # a \boxed{ cut off before its closing brace
         return None
-    lone_number = _NUMBER_WITH_UNITS.fullmatch(answer) or _WORDS_THEN_NUMBER.fullmatch(answer)
+    lone_number = _NUMBER_AMONG_WORDS.fullmatch(answer)
     if lone_number:
         answer = lone_number.group(1)
     return answer or None
