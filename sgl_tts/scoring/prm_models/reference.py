@@ -23,19 +23,9 @@ class ReferencePRM:
     """The checkpoint in `model_dir` loaded into transformers' `Qwen2Model` plus the head, in fp32."""
 
     def __init__(self, model_dir: str | Path, step_token: str = STEP_TOKEN):
-        from safetensors.torch import load_file
-        from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
-
-        model_dir = Path(model_dir)
-        config = Qwen2Config.from_pretrained(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer, self.backbone, weights = _load_backbone(model_dir)
         self.step_token_id = self.tokenizer.convert_tokens_to_ids(step_token)
-        weights = {}
-        for file in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(str(file)))
-        self.backbone = Qwen2Model(config).float().eval()
-        self.head = score_head(config.hidden_size).float().eval()
-        self.backbone.load_state_dict(_strip(weights, "model."), strict=True)
+        self.head = score_head(self.backbone.config.hidden_size).float().eval()
         self.head.load_state_dict(_strip(weights, "score."), strict=True)
 
     @torch.no_grad()
@@ -56,6 +46,20 @@ def reference_step_rewards(model_dir: str | Path, text_or_ids: str | list[int]) 
     return ReferencePRM(model_dir).step_rewards(text_or_ids)
 
 
+def _load_backbone(model_dir: str | Path):
+    """(tokenizer, the checkpoint's `Qwen2Model` in fp32, all its tensors by name)."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
+
+    model_dir = Path(model_dir)
+    weights = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    backbone = Qwen2Model(Qwen2Config.from_pretrained(model_dir)).float().eval()
+    backbone.load_state_dict(_strip(weights, "model."), strict=True)
+    return AutoTokenizer.from_pretrained(model_dir), backbone, weights
+
+
 def _strip(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {name[len(prefix):]: tensor for name, tensor in weights.items() if name.startswith(prefix)}
 
@@ -67,18 +71,8 @@ class ReferenceValuePRM:
     is sigmoid(value) at its newline."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors.torch import load_file
-        from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
-
-        model_dir = Path(model_dir)
-        config = Qwen2Config.from_pretrained(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        weights = {}
-        for file in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(str(file)))
-        self.backbone = Qwen2Model(config).float().eval()
-        self.value = nn.Linear(config.hidden_size, 1).float().eval()
-        self.backbone.load_state_dict(_strip(weights, "model."), strict=True)
+        self.tokenizer, self.backbone, weights = _load_backbone(model_dir)
+        self.value = nn.Linear(self.backbone.config.hidden_size, 1).float().eval()
         self.value.load_state_dict(_strip(weights, "v_head.summary."), strict=True)
 
     def encode(self, question: str, response: str) -> tuple[list[int], list[int]]:
