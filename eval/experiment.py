@@ -11,7 +11,9 @@ is overridable without a change here:
       - {name: bigger-beam, overrides: {search: {beam_width: 4}}}
 
 The run is the product arms x datasets x n_values x seeds x repetitions; each cell is a `Unit`. `n_values`
-set `search.n` (empty: each arm keeps its own), seeds set `search.seed`. Unknown keys and bad values raise
+set `search.n` (empty: each arm keeps its own); an arm's own `n_values` replace the experiment's for that arm
+(a greedy reference at `n_values: [1]`); seeds set `search.seed`. `reference` names the arm every other cell
+is compared with pair by pair in the accuracy-vs-budget report (eval/budget.py). Unknown keys and bad values raise
 `ConfigError` naming the key and the file.
 
 `backend: scripted` runs the programs on `sgl_tts.testing`'s scripted model and scorer instead of starting
@@ -29,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sgl_tts.config import ConfigError, _convert, load_yaml, to_dict
-from sgl_tts.app.session import DatasetConfig, RunConfig
+from sgl_tts.app.session import DatasetConfig, RunConfig, checked_program
+from sgl_tts.search.programs import with_program_settings
 
 BACKENDS = ("sglang", "scripted")
 
@@ -69,6 +72,7 @@ class Arm:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)  # nested RunConfig fields to change
     baseline: bool = False  # the arm the report divides by (default: the first arm)
+    n_values: list[int] | None = None  # None: the experiment's n_values; checked like them as arms[i].n_values
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,14 @@ class ScriptedOptions:
             raise ValueError(f"scripted.delay_s must be >= 0, got {self.delay_s}")
 
 
+def check_n_values(values: list[int], key: str) -> None:
+    """n values are >= 1 and distinct; the error names `key` (`n_values`, `arms[2].n_values`)."""
+    if any(n < 1 for n in values):
+        raise ValueError(f"{key} must all be >= 1, got {values}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{key} must not repeat a value, got {values}")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     name: str
@@ -92,6 +104,7 @@ class ExperimentConfig:
     base: RunConfig = field(default_factory=RunConfig)
     datasets: list[DatasetSelection] = field(default_factory=lambda: [DatasetSelection("builtin")])
     n_values: list[int] = field(default_factory=list)  # empty: each arm's own search.n
+    reference: str | None = None  # the arm the budget report compares every cell with, paired (None: no comparison)
     seeds: list[int] = field(default_factory=lambda: [0])
     repetitions: int = 1
     output_dir: str = "results"  # a run folder <output_dir>/<name>-<UTC time> is made inside
@@ -114,10 +127,17 @@ class ExperimentConfig:
         labels = [d.key for d in self.datasets]
         if len(set(labels)) != len(labels):
             raise ValueError(f"dataset labels must be unique (set 'label' to tell slices apart), got {labels}")
-        if any(n < 1 for n in self.n_values):
-            raise ValueError(f"n_values must all be >= 1, got {self.n_values}")
-        if len(set(self.n_values)) != len(self.n_values) or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError("n_values and seeds must not repeat a value")
+        check_n_values(self.n_values, "n_values")
+        for index, arm in enumerate(self.arms):
+            if arm.n_values is not None:
+                if not arm.n_values:
+                    raise ValueError(f"arms[{index}].n_values ('{arm.name}') needs at least one value "
+                                     "(leave it out to use the experiment's n_values)")
+                check_n_values(arm.n_values, f"arms[{index}].n_values")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must not repeat a value, got {self.seeds}")
+        if self.reference is not None and self.reference not in names:
+            raise ValueError(f"reference must name one of the arms {names}, got {self.reference!r}")
         if not self.seeds:
             raise ValueError("'seeds' needs at least one seed")
         if self.repetitions < 1:
@@ -156,13 +176,23 @@ class Experiment:
     source: str
     arm_configs: dict[str, RunConfig]
 
+    def arm_n_values(self, arm: Arm) -> list[int]:
+        """The n values `arm` runs: its own n_values, else the experiment's, else its RunConfig's search.n."""
+        return arm.n_values or self.config.n_values or [self.arm_configs[arm.name].search.n]
+
+    def listed_n_values(self) -> list[int]:
+        """Every n value the config lists (the experiment's and the arms' own), sorted; empty when none is."""
+        if not self.config.n_values and not any(arm.n_values for arm in self.config.arms):
+            return []
+        return sorted({n for arm in self.config.arms for n in self.arm_n_values(arm)})
+
     def units(self) -> list[Unit]:
         """Every cell, arm by arm (one arm's runtimes serve all its cells)."""
         out = []
         for arm in self.config.arms:
             arm_config = self.arm_configs[arm.name]
             for dataset in self.config.datasets:
-                for n in self.config.n_values or [arm_config.search.n]:
+                for n in self.arm_n_values(arm):
                     for seed in self.config.seeds:
                         search = dataclasses.replace(arm_config.search, n=n, seed=seed)
                         config = dataclasses.replace(arm_config, search=search)
@@ -210,13 +240,24 @@ def apply_overrides(config: Any, overrides: dict[str, Any], source: str = "<conf
 
 
 def resolve(config: ExperimentConfig, source: str) -> Experiment:
+    """Every arm's RunConfig, its program's settings and runtimes checked (`checked_program`). The base's
+    settings are its program's before the arms override single keys of them."""
+    try:
+        base = dataclasses.replace(config.base, search=with_program_settings(config.base.search, source,
+                                                                             "base.search.settings"))
+    except KeyError as exc:  # an unknown program
+        raise ConfigError(f"{source}: base: {exc.args[0]}") from None
     arm_configs = {}
     for index, arm in enumerate(config.arms):
         if "dataset" in arm.overrides:
             raise ConfigError(f"{source}: arms[{index}] ('{arm.name}'): datasets belong in the top-level "
                               "'datasets' list, not in an arm's overrides")
-        arm_configs[arm.name] = apply_overrides(config.base, arm.overrides, source,
-                                                f"arms[{index}].overrides.")
+        prefix = f"arms[{index}].overrides."
+        try:
+            arm_configs[arm.name] = checked_program(apply_overrides(base, arm.overrides, source, prefix), source,
+                                                    prefix + "search.settings")
+        except KeyError as exc:
+            raise ConfigError(f"{source}: arms[{index}] ('{arm.name}'): {exc.args[0]}") from None
     return Experiment(config, source, arm_configs)
 
 

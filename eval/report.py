@@ -5,7 +5,9 @@ the program's own answer, pass@N ranked by verifier score), precise goodput, com
 with its generator/verifier parts, tokens, prefix-cache hit rate, request timing windows and runtime
 start-up; each a median over seeds x repetitions (with the spread when there are several), and a column
 per arm with its ratio to the baseline arm. Plots like FastTTS Fig. 12 (goodput vs n), Fig. 13 (latency
-breakdown, stacked) and Fig. 14 (accuracy vs n). Everything is computed from results.jsonl alone.
+breakdown, stacked) and Fig. 14 (accuracy vs n). Then accuracy against token budget (eval/budget.py): pooled
+accuracy with Wilson intervals, paired comparisons with the reference arm, accuracy per level, and the
+accuracy-vs-tokens plot. Everything is computed from results.jsonl alone.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eval.budget import budget_markdown, budget_summary, plot_accuracy_vs_tokens
 from eval.results import ResultStore, _finite_or_none
-from sgl_tts.app.metrics import aggregate, over_repetitions, summarize
+from sgl_tts.measure.metrics import aggregate_rows, over_repetitions, summarize
 
 if TYPE_CHECKING:
     from eval.experiment import Experiment
@@ -64,10 +67,10 @@ def latest_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 
 
 def unit_aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """`sgl_tts.app.metrics.aggregate` of one unit's problems, plus tokens per problem and the timing windows.
+    """`sgl_tts.measure.metrics.aggregate_rows` of one unit's problems, plus tokens per problem and the timing windows.
 
     A request window's unit-level figures summarise the per-problem means (p50 = median problem)."""
-    result = aggregate([r["metrics"] for r in rows])
+    result = aggregate_rows([r["metrics"] for r in rows])
     result["tokens_per_problem"] = result["generated_tokens"] / len(rows) if rows else None
     starts = {r["timing"]["runtime_start_s"] for r in rows if not r["timing"].get("runtimes_reused")}
     timing: dict[str, Any] = {
@@ -83,7 +86,7 @@ def unit_aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def summarize_run(experiment: Experiment, records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_experiment(experiment: Experiment, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (dataset, arm, n) cell: its units' aggregates and the median and spread over them."""
     rows, failed = latest_rows(records)
     by_unit: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -101,6 +104,8 @@ def summarize_run(experiment: Experiment, records: list[dict[str, Any]]) -> dict
                    for r in failed],
         "cells": [{"dataset": dataset, "arm": arm, "n": n, "units": units, "stats": over_repetitions(units)}
                   for (dataset, arm, n), units in cells.items()],
+        "budget": budget_summary(rows, [d.key for d in experiment.config.datasets],
+                                 [a.name for a in experiment.config.arms], experiment.config.reference),
     }
 
 
@@ -134,7 +139,7 @@ def _tables(experiment: Experiment, summary: dict[str, Any]) -> list[str]:
     arm_order = [config.baseline] + [a.name for a in config.arms if a.name != config.baseline]
     lines = []
     for dataset in (d.key for d in config.datasets):
-        ns = config.n_values or [None]  # None: each arm at its own n
+        ns = experiment.listed_n_values() or [None]  # None: each arm at its own n
         for n in ns:
             columns = [next((c for (d, a, cn), c in cells.items() if d == dataset and a == arm
                              and (n is None or cn == n)), None) for arm in arm_order]
@@ -180,6 +185,7 @@ def markdown(experiment: Experiment, summary: dict[str, Any], run_dir: Path, run
         lines.append(f"- first run id `{first['run_id']}`; hardware: {first['hardware'].get('cpu_model')} "
                      f"({first['hardware'].get('usable_cpus')} usable CPUs), GPUs: {first['hardware'].get('gpus') or 'none'}")
     lines += _tables(experiment, summary)
+    lines += budget_markdown(summary["budget"])
     if summary["failed"]:
         lines += ["", "## Failed problems (retried on resume)", ""]
         lines += [f"- {f['arm']} / {f['dataset']} / n={f['n']} / seed {f['seed']} / rep {f['repetition']} / "
@@ -287,6 +293,10 @@ def plot_run(experiment: Experiment, summary: dict[str, Any], out_dir: Path) -> 
             ax.set_ylim(-5, 105)
             ax.set_title(f"{title} — {dataset}", fontsize=9)
         finish(fig, axes, "accuracy_vs_n")
+    for budget in summary["budget"]["datasets"]:
+        path = plot_accuracy_vs_tokens(budget, out_dir / f"accuracy_vs_tokens-{_slug(budget['dataset'])}.png")
+        if path is not None:
+            written.append(path)
     return written
 
 
@@ -297,7 +307,7 @@ def write_report(run_dir: str | Path, experiment: Experiment, partial: bool = Fa
     records = store.records()
     skipped = store.skipped_lines
     runs = store.runs()
-    summary = summarize_run(experiment, records)
+    summary = summarize_experiment(experiment, records)
     plots = plot_run(experiment, summary, run_dir / "plots") if summary["cells"] else []
     text = markdown(experiment, summary, run_dir, runs, plots, partial, skipped)
     (run_dir / "summary.md").write_text(text)

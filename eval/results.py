@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sgl_tts.search.records import parse_json_object
+from sgl_tts.config import parse_json_object
 
 logger = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ arm. Ctrl-C stops the runtimes,
 keeps every written line, and writes a partial summary.
 
 Runtimes: each arm gets a `Session`. With `reuse_runtimes` (default) an arm whose runtime settings equal the
-previous arm's keeps those runtimes (`Session(reuse=...)`), and every unit starts with flushed radix caches
-(`flush_cache`), so no cell reuses another's prefixes.
+previous arm's keeps those runtimes (`sgl_tts.app.session.SessionPool`), and every unit starts with flushed
+radix caches (`flush_cache`), so no cell reuses another's prefixes.
 
 Timing windows, each kept apart (edge-inference evaluation §VI):
   runtime_start_s      Session start: launching the servers until each answered a first request
                        (model load, server init, warm-up); once per runtime start, restarts included;
                        `runtimes_reused` names the runtimes kept from the previous arm instead.
   total_s              the program's whole search of one problem (SearchResult.total_time_s), split into
-  generator_s, verifier_s   the program's generator and verifier time (SearchTracker).
+  generator_s, verifier_s   the program's generator and verifier time (SearchContext).
   solve_wall_s         the harness's wall clock around the program call.
   requests.*           per generator request (`sgl.gen` -> /generate), summarised per problem:
     client_s           client-side wall time of the request;
@@ -42,7 +42,6 @@ fork (inside generator_s, outside the request windows); energy.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -51,7 +50,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -61,7 +59,7 @@ from sgl_tts.problems import DATASETS, Problem, load_problems
 from eval.report import RESULTS_FILE, row_key, write_report
 from eval.results import ResultStore, config_hash, provenance
 from sgl_tts.config import ConfigError
-from sgl_tts.app.metrics import problem_metrics, summarize
+from sgl_tts.measure.metrics import problem_metrics, summarize
 from sgl_tts.search.records import SearchResult
 from sgl_tts.runtime.server import RuntimeDiedError
 
@@ -77,48 +75,6 @@ SCRIPTED_PROMPT = "Q: {question}\n\n"
 # Per-request timings
 
 
-class RequestLog:
-    """Timings of every `generate` call of a frontend backend, attributed to the problem being solved.
-
-    SGLang's frontend runs each fork in a thread of its own, so a request is matched to a problem by its text:
-    it starts with that problem's prompt (the longest match wins; two problems with the same prompt in flight
-    at once cannot be told apart and their requests go to the first).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tickets = count()
-        self._prompts: dict[int, tuple[str, ...]] = {}
-        self._entries: dict[int, list[dict[str, Any]]] = {}
-
-    def instrument(self, backend: Any, name: str = "generator") -> None:
-        """Observe every request of `backend` (a `SearchBackend`, per-run views included); entries carry `name`."""
-        backend.observe(lambda text, seconds, meta: self._add(name, text, seconds, meta or {}))
-
-    def begin(self, *prompts: str) -> int:
-        """Start collecting for one problem, whose requests start with one of `prompts`."""
-        with self._lock:
-            ticket = next(self._tickets)
-            self._prompts[ticket] = prompts
-            self._entries[ticket] = []
-            return ticket
-
-    def end(self, ticket: int) -> list[dict[str, Any]]:
-        with self._lock:
-            self._prompts.pop(ticket, None)
-            return self._entries.pop(ticket, [])
-
-    def _add(self, backend: str, text: str, client_s: float, meta: dict[str, Any]) -> None:
-        entry = {"backend": backend, "client_s": client_s, "completion_tokens": meta.get("completion_tokens"),
-                 "e2e_latency": meta.get("e2e_latency"), "first_token_latency": meta.get("first_token_latency"),
-                 "queue_time": meta.get("queue_time")}
-        with self._lock:
-            matches = [(len(prompt), -ticket) for ticket, prompts in self._prompts.items() for prompt in prompts
-                       if text.startswith(prompt)]
-            if matches:
-                self._entries[-max(matches)[1]].append(entry)
-
-
 def _brief(values: list[float]) -> dict[str, float | int] | None:
     if not values:
         return None
@@ -126,9 +82,10 @@ def _brief(values: list[float]) -> dict[str, float | int] | None:
     return {key: stats[key] for key in ("n", "mean", "p50", "p90", "max")}
 
 
-def request_windows(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-problem summaries (n, mean, p50, p90, max) of each request timing window; None when not reported."""
-    def column(fn: Callable[[dict[str, Any]], float | None]) -> dict[str, float | int] | None:
+def request_windows(entries: list[Any]) -> dict[str, Any]:
+    """Per-problem summaries (n, mean, p50, p90, max) of each request timing window of the search's requests
+    (`sgl_tts.frontend.ledger.Request`); None when not reported."""
+    def column(fn: Callable[[Any], float | None]) -> dict[str, float | int] | None:
         values = []
         for entry in entries:
             value = fn(entry)
@@ -137,29 +94,29 @@ def request_windows(entries: list[dict[str, Any]]) -> dict[str, Any]:
         return _brief(values)
 
     def prompt_processing(e):
-        if e["first_token_latency"] is None or e["queue_time"] is None:
+        if e.first_token_latency is None or e.queue_time is None:
             return None
-        return max(0.0, e["first_token_latency"] - e["queue_time"])
+        return max(0.0, e.first_token_latency - e.queue_time)
 
     def decode_per_token(e):
-        tokens = e["completion_tokens"] or 0
-        if e["e2e_latency"] is None or e["first_token_latency"] is None or tokens < 2:
+        tokens = e.completion_tokens or 0
+        if e.e2e_latency is None or e.first_token_latency is None or tokens < 2:
             return None
-        return max(0.0, e["e2e_latency"] - e["first_token_latency"]) / (tokens - 1)
+        return max(0.0, e.e2e_latency - e.first_token_latency) / (tokens - 1)
 
     return {
         "requests": len(entries),
-        "client_s": column(lambda e: e["client_s"]),
-        "server_e2e_s": column(lambda e: e["e2e_latency"]),
-        "first_token_s": column(lambda e: e["first_token_latency"]),
-        "queue_s": column(lambda e: e["queue_time"]),
+        "client_s": column(lambda e: e.client_s),
+        "server_e2e_s": column(lambda e: e.e2e_latency),
+        "first_token_s": column(lambda e: e.first_token_latency),
+        "queue_s": column(lambda e: e.queue_time),
         "prompt_processing_s": column(prompt_processing),
         "decode_s_per_token": column(decode_per_token),
     }
 
 
 def end_leaked_executors(backends: list[Any]) -> int:
-    """End the SGLang frontend executors on `backends` (and their per-run views) that are still running.
+    """End the SGLang frontend executors on `backends` that are still running.
 
     Every program state (and fork) has an executor with a non-daemon worker thread that ends when the state is
     garbage-collected. A program that keeps its states reachable from the program's own arguments (a reference
@@ -212,33 +169,23 @@ def _precision(runtime: Any) -> str:
 class SessionSolver:
     """An arm's SGLang runtimes (`sgl_tts.app.session.Session`)."""
 
-    def __init__(self, config: RunConfig, log_dir: Path, reuse: dict[str, Any] | None = None):
-        from sgl_tts.app.session import Session
-
+    def __init__(self, config: RunConfig, log_dir: Path, pool: Any):
+        """`pool`: a `sgl_tts.app.session.SessionPool` holding the previous arm's runtimes, if it kept them."""
         self.config = config
-        config = dataclasses.replace(config, log_dir=config.log_dir or str(log_dir))
-        offered = {id(runtime) for runtime in (reuse or {}).values()}
-        self.session = Session(config, reuse=reuse) if reuse else Session(config)
+        self.pool = pool
+        self.session = pool.switch(dataclasses.replace(config, log_dir=config.log_dir or str(log_dir)))
         self.startup_s = self.session.started_s
-        self.reused = sorted(name for name, rt in self.session.runtimes.items() if id(rt) in offered)
-        self.requests = RequestLog()
-        runtimes = self.session.search_runtimes
-        self.requests.instrument(runtimes.generator)
-        if runtimes.target is not None and runtimes.target is not runtimes.generator:
-            self.requests.instrument(runtimes.target, "target")  # RSD's target model
+        self.reused = sorted(self.session.reused)
 
     def backends(self) -> list[Any]:
         runtimes = self.session.search_runtimes
         return [backend for backend in (runtimes.generator, runtimes.target) if backend is not None]
 
-    def prompts(self, question: str) -> tuple[str, ...]:
-        """The prompt texts this problem's requests start with (the target's own chat format too)."""
-        runtimes = self.session.search_runtimes
-        target_prompt = runtimes.extras.get("target_prompt")
-        return (runtimes.prompt(question),) + ((target_prompt(question),) if target_prompt else ())
+    def new_search(self, problem: Problem, search: Any) -> Any:
+        return self.session.new_search(problem, search)
 
-    def solve(self, problem: Problem, search: Any) -> SearchResult:
-        return self.session.solve(problem, search)
+    def solve(self, problem: Problem, search: Any, context: Any) -> SearchResult:
+        return self.session.solve(problem, search, context)
 
     def alive(self, grace_s: float = 10.0) -> bool:
         """Whether every runtime still serves: its process runs and answers /get_model_info within `grace_s`.
@@ -293,9 +240,9 @@ class SessionSolver:
         models["scorer_kind"] = self.config.scorer.kind
         return models
 
-    def detach(self) -> dict[str, Any]:
-        """Hand the running runtimes over for the next arm (Session reuse) instead of stopping them."""
-        return self.session.detach()
+    def give_back(self) -> None:
+        """Keep the running runtimes in the pool for the next arm instead of stopping them."""
+        self.pool.give_back(self.session)
 
     def close(self) -> None:
         self.session.close()
@@ -318,7 +265,6 @@ class ScriptedSolver:
                                  prompt=lambda question: SCRIPTED_PROMPT.format(question=question))
         self.program = load_program(config.search.program)
         self.options = options
-        self.requests = RequestLog()
         self.flush_cache()
         self.dead = False
         self._died, self._lock = died, lock
@@ -328,10 +274,10 @@ class ScriptedSolver:
     def backends(self) -> list[Any]:
         return [self.runtimes.generator]
 
-    def prompts(self, question: str) -> tuple[str, ...]:
-        return (self.runtimes.prompt(question),)
+    def new_search(self, problem: Problem, search: Any) -> Any:
+        return self.runtimes.new_search(search, problem.id)
 
-    def solve(self, problem: Problem, search: Any) -> SearchResult:
+    def solve(self, problem: Problem, search: Any, context: Any) -> SearchResult:
         with self._lock:
             if not self.dead and problem.id in self.options.die_on and problem.id not in self._died:
                 self._died.add(problem.id)
@@ -339,7 +285,7 @@ class ScriptedSolver:
             if self.dead:
                 raise RuntimeDiedError(f"scripted runtime died (simulated at problem '{problem.id}')")
         time.sleep(self.options.delay_s)
-        return self.program(problem, search, self.runtimes)
+        return self.program(problem, search, self.runtimes, context)
 
     def alive(self) -> bool:
         return not self.dead
@@ -350,7 +296,6 @@ class ScriptedSolver:
         from sgl_tts.testing import ScriptedBackend, ScriptedModel
 
         backend = ScriptedBackend(ScriptedModel(answer_depth=self.options.answer_depth, answers=self.options.answers))
-        self.requests.instrument(backend)
         self.runtimes.generator = backend
         return []
 
@@ -358,8 +303,8 @@ class ScriptedSolver:
         return {"generator": {"model": "scripted", "revision": None, "precision": None},
                 "scorer_kind": "scripted", "options": dataclasses.asdict(self.options)}
 
-    def detach(self) -> dict[str, Any]:
-        return {}
+    def give_back(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -385,8 +330,8 @@ class ArmRuntimes:
         self.restarts += 1
         self.solver = self.start()
 
-    def detach(self) -> dict[str, Any]:
-        return self.solver.detach()
+    def give_back(self) -> None:
+        self.solver.give_back()
 
     def close(self) -> None:
         self.solver.close()
@@ -424,7 +369,7 @@ class EvalRun:
         self.fingerprint_sha = config_hash(experiment.fingerprint())  # the folder holds this experiment only
         self._died: set[str] = set()  # scripted die_on ids already used
         self._died_lock = threading.Lock()
-        self._spare: dict[str, Any] = {}  # the previous arm's runtimes, offered to the next (reuse_runtimes)
+        self.pool: Any = None  # SessionPool: the previous arm's runtimes, offered to the next (reuse_runtimes)
         self.active: ArmRuntimes | None = None  # the running arm's runtimes
 
     def log(self, message: str) -> None:
@@ -492,19 +437,18 @@ class EvalRun:
         if self.config.backend == "scripted":
             return ScriptedSolver(config, self.config.scripted, self._died, self._died_lock)
         self.log(f"arm '{arm}': starting runtimes ({config.generator.model} on {config.generator.device})")
-        spare, self._spare = self._spare, {}
-        solver = SessionSolver(config, self.run_dir / "logs" / arm, reuse=spare)
+        if self.pool is None:
+            from sgl_tts.app.session import SessionPool
+
+            self.pool = SessionPool()
+        solver = SessionSolver(config, self.run_dir / "logs" / arm, self.pool)
         self.log(f"arm '{arm}': runtimes ready in {solver.startup_s:.0f} s"
                  + (f" (kept from the previous arm: {', '.join(solver.reused)})" if solver.reused else ""))
         return solver
 
     def stop_spare(self) -> None:
-        from sgl_tts.runtime.server import Runtime
-
-        for runtime in self._spare.values():
-            if isinstance(runtime, Runtime):
-                runtime.stop()
-        self._spare = {}
+        if self.pool is not None:
+            self.pool.close()
 
     def run(self) -> RunOutcome:
         from tqdm import tqdm
@@ -539,7 +483,7 @@ class EvalRun:
                     self.restarts += runtimes.restarts
                     self.active = None
                     if finished and self.config.reuse_runtimes:
-                        self._spare = runtimes.detach()
+                        runtimes.give_back()
                     else:
                         runtimes.close()
         except KeyboardInterrupt:
@@ -594,13 +538,13 @@ class EvalRun:
 
     @staticmethod
     def solve_one(solver: Any, unit: Unit, problem: Problem) -> tuple[SearchResult | None, Exception | None, float, list]:
-        ticket = solver.requests.begin(*solver.prompts(problem.question))
+        context = solver.new_search(problem, unit.config.search)
         began = time.monotonic()
         try:
-            result, error = solver.solve(problem, unit.config.search), None
+            result, error = solver.solve(problem, unit.config.search, context), None
         except Exception as exc:  # reported per problem; a dead runtime is told apart by the caller
             result, error = getattr(exc, "result", None), exc  # a SearchError keeps the finished candidates
-        return result, error, time.monotonic() - began, solver.requests.end(ticket)
+        return result, error, time.monotonic() - began, context.ledger.answered_requests()
 
     def row_provenance(self, unit: Unit, solver: Any, header: dict[str, Any]) -> dict[str, Any]:
         from eval.experiment import plain
@@ -615,6 +559,8 @@ class EvalRun:
                   wall_s: float, entries: list, solver: Any, session: int, row_provenance: dict[str, Any]) -> None:
         row: dict[str, Any] = {"problem_id": problem.id, "arm": unit.arm, "dataset": unit.dataset, "n": unit.n,
                                "seed": unit.seed, "repetition": unit.repetition, "session": session}
+        if "level" in problem.meta:  # a difficulty level (the graded set): the report's accuracy per level
+            row["level"] = problem.meta["level"]
         if error is None:
             selection = next(d for d in self.config.datasets if d.key == unit.dataset)
             try:
@@ -635,11 +581,11 @@ class EvalRun:
                 timing={"runtime_start_s": solver.startup_s, "runtimes_reused": solver.reused,
                         "solve_wall_s": wall_s, "total_s": result.total_time_s,
                         "generator_s": result.generator_time_s, "verifier_s": result.verifier_time_s,
-                        "requests": request_windows([e for e in entries if e["backend"] == "generator"])},
+                        "requests": request_windows([e for e in entries if e.runtime == "generator"])},
                 result=result.to_dict(),
             )
-            if any(e["backend"] == "target" for e in entries):
-                row["timing"]["target_requests"] = request_windows([e for e in entries if e["backend"] == "target"])
+            if any(e.runtime == "target" for e in entries):
+                row["timing"]["target_requests"] = request_windows([e for e in entries if e.runtime == "target"])
             self.written += 1
         row["provenance"] = row_provenance
         # A program may put objects that JSON cannot hold into `extra`: store their repr rather than fail.
@@ -647,38 +593,28 @@ class EvalRun:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line
+# `sgl-tts eval`
 
 
-def add_eval_parser(commands: Any) -> None:
-    parser = commands.add_parser("eval", help="run an experiment's arms side by side; resumable; report + plots")
-    parser.add_argument("--config", help="experiment config (YAML), e.g. eval/configs/cpu-default.yaml")
-    parser.add_argument("--out", help="run folder (an existing one is resumed: same experiment only)")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="resume a run folder (with its experiment.yaml "
-                                                             "unless --config is given)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=cmd_eval)
-    from eval.verifier import add_verifier_parser
-
-    # Optional, so that `sgl-tts eval --config ...` runs an experiment as before.
-    add_verifier_parser(parser.add_subparsers(dest="eval_command", required=False, metavar="{verifier}"))
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
+def run_eval(config: str | Path | None = None, out: str | Path | None = None, resume: str | Path | None = None,
+             progress: bool | None = None) -> int:
+    """Run (or resume) an experiment and print its summary; returns the exit code (0 complete, 1 incomplete or a
+    runtime died, 130 interrupted). `config`: the experiment YAML, else `resume`'s experiment.yaml; `out`: the run
+    folder (default: a new one under the experiment's output_dir); `progress`: the bar (None: when a terminal)."""
     from eval.experiment import load_experiment
 
-    if args.out and args.resume and Path(args.out).resolve() != Path(args.resume).resolve():
+    if out and resume and Path(out).resolve() != Path(resume).resolve():
         raise ConfigError("give --out or --resume, not two different folders")
-    run_dir = args.resume or args.out
-    if args.config:
-        experiment = load_experiment(args.config)
-    elif args.resume:
-        experiment = load_experiment(Path(args.resume) / EXPERIMENT_FILE)
+    run_dir = resume or out
+    if config:
+        experiment = load_experiment(config)
+    elif resume:
+        experiment = load_experiment(Path(resume) / EXPERIMENT_FILE)
     else:
         raise ConfigError("sgl-tts eval needs --config FILE or --resume RUN_DIR")
-    if args.resume and not (Path(args.resume) / RESULTS_FILE).is_file():
-        raise ConfigError(f"nothing to resume: {Path(args.resume) / RESULTS_FILE} does not exist")
-    run = EvalRun(experiment, run_dir or new_run_dir(experiment), progress=False if args.no_progress else None)
+    if resume and not (Path(resume) / RESULTS_FILE).is_file():
+        raise ConfigError(f"nothing to resume: {Path(resume) / RESULTS_FILE} does not exist")
+    run = EvalRun(experiment, run_dir or new_run_dir(experiment), progress=progress)
     print(f"sgl-tts eval: {experiment.source} -> {run.run_dir}", flush=True)
     try:
         outcome = run.run()
@@ -690,9 +626,3 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if outcome.interrupted:
         return 130
     return 0 if outcome.complete else 1
-
-
-if __name__ == "__main__":
-    from sgl_tts.app.cli import main
-
-    sys.exit(main(["eval", *sys.argv[1:]]))

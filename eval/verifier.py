@@ -11,7 +11,6 @@ problem), both accuracies, step AUROC, scoring time and tokens, one row per conf
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -105,19 +104,24 @@ def render_summary(rows: dict[str, dict[str, Any]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd_eval_verifier(args: argparse.Namespace) -> int:
-    if args.folds < 2:
-        raise ConfigError(f"--folds must be at least 2, got {args.folds}")
-    arms = {arm_name(path): load_run_config(path) for path in args.config}
-    if len(arms) != len(args.config):
+def evaluate_verifiers(configs: Sequence[str], data: str | None = None, part: str = "heldout",
+                       limit: int | None = None, folds: int = 2, concurrency: int = 8,
+                       out: str | Path | None = None) -> int:
+    """Score the step-labelled solutions of `data` (default: the shared processbench-math set; `part` of the fixed
+    split, a seeded sample of `limit`) with each run config's scorer, `concurrency` at a time; append the records
+    to `out` (default: a new folder under results/), write and print the summary (`folds` for the threshold)."""
+    if folds < 2:
+        raise ConfigError(f"--folds must be at least 2, got {folds}")
+    arms = {arm_name(path): load_run_config(path) for path in configs}
+    if len(arms) != len(configs):
         raise ConfigError("two --config files have the same file name; each arm is named by its file's stem")
-    solutions = select_part(load_labelled(args.data), args.part)
-    if args.limit is not None:  # a seeded sample: the file may be sorted (e.g. erroneous solutions first)
+    solutions = select_part(load_labelled(data), part)
+    if limit is not None:  # a seeded sample: the file may be sorted (e.g. erroneous solutions first)
         solutions = [solutions[i] for i in sorted(random.Random(0).sample(range(len(solutions)),
-                                                                           min(args.limit, len(solutions))))]
-    out = Path(args.out or Path("results") / ("verifier-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")))
+                                                                           min(limit, len(solutions))))]
+    out = Path(out or Path("results") / ("verifier-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")))
     store = ResultStore(out / "results.jsonl")
-    options = {"data": args.data, "part": args.part, "limit": args.limit, "folds": args.folds}
+    options = {"data": data, "part": part, "limit": limit, "folds": folds}
     for run in store.runs():
         if "config" in run and run["config"].get("options") != options:
             raise ConfigError(f"{out} holds a verifier run with other options {run.get('config', {}).get('options')}; "
@@ -131,7 +135,7 @@ def cmd_eval_verifier(args: argparse.Namespace) -> int:
             continue
         scorer, prompt_of, runtimes = start_scorer(config, out / "logs")
         try:
-            wall = score_solutions(arm, scorer, prompt_of, todo, store, args.concurrency)
+            wall = score_solutions(arm, scorer, prompt_of, todo, store, concurrency)
             store.append_run({"arm": arm, "scored": len(todo), "wall_s": wall, "tokens": scorer.tokens_processed})
         finally:
             for runtime in runtimes:
@@ -140,26 +144,12 @@ def cmd_eval_verifier(args: argparse.Namespace) -> int:
     sessions = [run for run in store.runs() if "arm" in run]
     rows = {}
     for arm in arms:
-        rows[arm] = summarise([r for r in records if r["arm"] == arm], solutions, args.folds)
+        rows[arm] = summarise([r for r in records if r["arm"] == arm], solutions, folds)
         rows[arm]["wall_s"] = sum(run["wall_s"] for run in sessions if run["arm"] == arm)
         rows[arm]["tokens"] = sum(run["tokens"] for run in sessions if run["arm"] == arm)
-    header = (f"{len(solutions)} solutions of {args.data or 'processbench-math'} (part {args.part}), "
-              f"{args.folds} folds.")
+    header = f"{len(solutions)} solutions of {data or 'processbench-math'} (part {part}), {folds} folds."
     summary = render_summary(rows, header)
     (out / "summary.md").write_text(summary)
     print(summary)
     print(f"results: {out / 'results.jsonl'}")
     return 0
-
-
-def add_verifier_parser(eval_commands: Any) -> None:
-    parser = eval_commands.add_parser("verifier", help="find-the-first-wrong-step figures of configured scorers")
-    parser.add_argument("--config", nargs="+", required=True, help="run configs whose scorers to compare")
-    parser.add_argument("--data", help="ProcessBench-format JSONL (default: the shared processbench-math set)")
-    parser.add_argument("--part", choices=["heldout", "train", "all"], default="heldout",
-                        help="which part of the fixed split (sgl_tts.scoring.step_labels.in_heldout) to use")
-    parser.add_argument("--limit", type=int, help="only the first LIMIT solutions of that part")
-    parser.add_argument("--folds", type=int, default=2, help="folds for choosing the F1 threshold")
-    parser.add_argument("--concurrency", type=int, default=8, help="solutions scored at once")
-    parser.add_argument("--out", help="run folder (an existing one is resumed)")
-    parser.set_defaults(func=cmd_eval_verifier)

@@ -11,36 +11,6 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative beam extension settings (load with `sgl_tts.config.load_dataclass`).
-
-    enabled: launch speculative branches at all (off = the baseline).
-    branching: the search's branching factor B, also the number of score bins.
-    truncation_ratio: R, the mean fraction of speculative tokens a duplicate keeps (§4.1).
-    truncation_std: standard deviation of that fraction.
-    step_delimiter: the text that ends a reasoning step (for LookAhead verification, §4.1.3).
-    seed: seed of the truncation sampler.
-    """
-
-    enabled: bool = True
-    branching: int = 4
-    truncation_ratio: float = 0.85
-    truncation_std: float = 0.1
-    step_delimiter: str = "\n\n"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.branching < 1:
-            raise ValueError(f"branching must be >= 1, got {self.branching}")
-        if not 0.0 <= self.truncation_ratio <= 1.0:
-            raise ValueError(f"truncation_ratio must be in [0, 1], got {self.truncation_ratio}")
-        if self.truncation_std < 0:
-            raise ValueError(f"truncation_std must be >= 0, got {self.truncation_std}")
-        if not self.step_delimiter:
-            raise ValueError("step_delimiter must be non-empty")
-
-
 def score_bins(scores: Sequence[float], num_bins: int) -> list[int]:
     """The bin j (1 = highest) of each score: scores ranked best first and cut into `num_bins` equal
     shares by rank; equal scores share the better bin.

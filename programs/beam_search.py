@@ -16,7 +16,7 @@ import dataclasses
 import sglang as sgl
 
 from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
-                            SearchConfig, SearchResult, SearchTracker)
+                            SearchConfig, SearchResult, SearchContext)
 
 
 def keep_count(config: SearchConfig) -> int:
@@ -24,7 +24,7 @@ def keep_count(config: SearchConfig) -> int:
 
 
 @sgl.function
-def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
+def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
                         finished: list[Path]):
     s += prompt
     beams = [Path(state=s)]
@@ -47,7 +47,7 @@ def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes
 
 
 def score_lookahead(paths: list[Path], prompt: str, config: SearchConfig, runtimes: Runtimes,
-                    tracker: SearchTracker) -> None:
+                    tracker: SearchContext) -> None:
     """Sets extra["lookahead_score"] of each path: the score of its greedy rollout `lookahead` steps on."""
     greedy = dataclasses.replace(config, temperature=0.0)
     rollouts = list(paths)
@@ -66,5 +66,5 @@ def lookahead_rank_key(path: Path) -> tuple[float, str]:
     return (-path.extra["lookahead_score"], path.text)
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    return run_search(beam_search_program, problem, "beam_search", config, runtimes)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    return run_search(beam_search_program, problem, "beam_search", config, runtimes, context=context)

@@ -8,39 +8,44 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.search import (RUNTIME_FAILURES, build_result, extract_answer, finish, Path, Runtimes,
-                            search_failed, SearchConfig, SearchResult,
-                            SearchTracker, start_search, split_steps, wait_meta)
+from sgl_tts.search import (RUNTIME_FAILURES, answer_at_end, build_result, extract_answer, finish, Path,
+                            record_token_confidences, Runtimes, search_failed, SearchConfig, SearchResult,
+                            SearchContext, start_search, split_steps, top_logprobs_request, wait_meta)
 
 
 @sgl.function
-def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchTracker):
+def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchContext, logprobs: int = 0):
+    """config.n whole solutions; with `logprobs` > 0 each path carries its token confidences (extra)."""
     s += prompt
     s.text()  # commit the prompt so the fork pre-caches it (docs/sglang.md)
     forks = s.fork(config.n)
     for fork in forks:
         fork += sgl.gen("solution", max_tokens=config.max_tokens, temperature=config.temperature,
-                        top_p=config.top_p)
+                        top_p=config.top_p, **top_logprobs_request(logprobs))
     paths = []
     for fork in forks:
         meta = wait_meta(fork, "solution")
         text = fork["solution"]
         path = Path(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
                     tokens=int(meta.get("completion_tokens", 0)))
-        path.answer = extract_answer(text)
+        record_token_confidences(path, meta)
         reason = (meta.get("finish_reason") or {}).get("type")
-        finish(path, "answer" if path.answer else ("max_tokens" if reason == "length" else "eos"), tracker)
+        marked = extract_answer(text)
+        # a solution the model ended may state its answer unmarked at the end; one cut at max_tokens has none
+        path.answer = marked if marked is not None or reason == "length" else answer_at_end(text)
+        finish(path, "answer" if marked else ("max_tokens" if reason == "length" else "eos"), tracker)
         paths.append(path)
     forks.join()
     return paths
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    runtimes, tracker = start_search(runtimes, config, problem.id)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
     try:
-        paths = best_of_n_program.run(prompt=prompt, config=config, tracker=tracker,
-                                      backend=runtimes.generator).ret_value
+        with tracker.running():
+            paths = best_of_n_program.run(prompt=prompt, config=config, tracker=tracker,
+                                          backend=runtimes.generator).ret_value
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, "best_of_n", [], config, tracker, exc) from exc
     tracker.generator_time_s = tracker.elapsed()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sglang as sgl
 
 from sgl_tts.search import (expand, extract_answer, finish, Path, rank_key, run_search, Runtimes, SearchConfig,
-                            SearchResult, SearchTracker)
+                            SearchResult, SearchContext)
 
 
 def subtree_count(config: SearchConfig) -> int:
@@ -20,7 +20,7 @@ def subtree_count(config: SearchConfig) -> int:
 
 
 @sgl.function
-def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
+def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
                  finished: list[Path]):
     s += prompt
     subtrees, width = subtree_count(config), config.beam_width
@@ -46,5 +46,5 @@ def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, track
     return beams
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    return run_search(dvts_program, problem, "dvts", config, runtimes)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    return run_search(dvts_program, problem, "dvts", config, runtimes, context=context)

@@ -16,7 +16,7 @@ from typing import Sequence
 import sglang as sgl
 
 from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
-                            SearchConfig, SearchResult, SearchTracker)
+                            SearchConfig, SearchResult, SearchContext)
 
 
 def allocate(budget: int, scores: Sequence[float], temperature: float) -> list[int]:
@@ -35,7 +35,7 @@ def allocate(budget: int, scores: Sequence[float], temperature: float) -> list[i
 
 
 @sgl.function
-def dynamic_branching_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchTracker,
+def dynamic_branching_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
                               finished: list[Path]):
     s += prompt
     beams = [(Path(state=s), config.n)]
@@ -57,5 +57,5 @@ def dynamic_branching_program(s, prompt: str, config: SearchConfig, runtimes: Ru
     return finished + active
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    return run_search(dynamic_branching_program, problem, "dynamic_branching", config, runtimes)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    return run_search(dynamic_branching_program, problem, "dynamic_branching", config, runtimes, context=context)

@@ -4,29 +4,29 @@ RSD Algorithm 1. Per step: the draft model (`runtimes.generator`) writes a step 
 solution so far; the scorer scores it in context; the acceptance criterion A_omega (Algorithm 2,
 `sgl_tts.rsd.acceptance.accept_draft_step`) keeps it, or else the target model (`runtimes.target`) writes the
 step from the same context, and the target's step is always kept. The loop stops at an answer, end of
-sequence, the token budget or `rsd.max_steps`.
+sequence, the token budget or `search.max_steps`.
 
 Steps pass between the models as text, so draft and target may use different tokenizers: each model gets
-its own prompt (`runtimes.prompt` for the draft, `runtimes.extras["target_prompt"]` for the target, which
-defaults to the draft's) followed by the solution text so far.
+its own prompt (`runtimes.prompt` for the draft, `runtimes.target_prompt` for the target, which defaults to
+the draft's) followed by the solution text so far.
 
-Settings: `runtimes.extras["rsd"]` (an `RSDConfig`; the run config's `rsd:` section) gives the weighting,
-delta, seed, step delimiter, step limit and sampling; `config` (the run's `search:` section) gives the token
-budgets (max_step_tokens, max_tokens). `runtimes.extras["params"]` may give the parameter counts used for
-FLOPs ({"draft", "target", "prm"}); by default they are read from each runtime's model config.
+Settings: `Settings` (the run config's `search.settings:`) gives the weighting and its parameters; the rest
+of `config` (the run's `search:` section) gives the step loop: step delimiter, step limit (max_steps),
+sampling (temperature, top_p; the paper decodes greedily), token budgets (max_step_tokens, max_tokens), and
+the seed of Algorithm 2's draws. `params` may give the parameter counts used for FLOPs ({"draft", "target",
+"prm"}); by default they are read from each runtime's model config.
 
 Result: one candidate (the solution). `step_scores[i]` is the PRM score of step i's draft proposal, the
 score that decided the step; `SearchResult.extra["rsd"]` holds one `StepRecord` per step (who wrote it,
 its score, tokens and seconds per model, rejected draft tokens included) and the problem's statistics.
 
-`runtimes.extras["rsd_cache"]` (a `StepCache`) memoises each context's draft step, score and target step;
+`step_cache` (a `StepCache`) memoises each context's draft step, score and target step;
 the delta sweep (`sgl_tts.rsd.sweep`) shares one across its runs. Records then carry the seconds measured
 when the entry was computed.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import random
 import time
@@ -36,12 +36,38 @@ from typing import Any, Callable, TypeVar
 
 import sglang as sgl
 
-from sgl_tts.search import (build_result, extract_answer, finish, finish_reason_of, Path, Runtimes,
-                            SearchConfig, SearchResult, SearchTracker, wait_meta)
-from sgl_tts.rsd.acceptance import RSDConfig, StepRecord, accept_draft_step, summarize_run
+from sgl_tts.search import (build_result, extract_answer, finish_reason_of, Path, Runtimes, SearchConfig,
+                            SearchContext, SearchResult, settings_of, settle_step, start_search, wait_meta)
+from sgl_tts.rsd.acceptance import (StepRecord, accept_draft_step, check_weighting_settings, summarize_run,
+                                    weight)
 from sgl_tts.rsd.step_cache import StepCache
 
 T = TypeVar("T")
+
+RUNTIMES = ("scorer", "target")  # the PRM and the target model, besides the draft (the generator)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """RSD's acceptance settings (`search.settings`); defaults are the paper's (§3 default setting, Fig. 6 for
+    constant and logistic). The step loop's settings are the search config's."""
+
+    weighting: str = "binary"  # omega, one of sgl_tts.rsd.acceptance.WEIGHTINGS
+    delta: float = 0.7  # threshold of `binary`, centre of `logistic`
+    constant: float = 0.6  # p of `constant`
+    logistic_alpha: float = 1.0  # steepness of `logistic`
+
+    def __post_init__(self) -> None:
+        check_weighting_settings(self)
+
+    def weight(self, reward: float) -> float:
+        """omega(r) for this weighting."""
+        return weight(reward, self)
+
+
+def decoded_paths(config: SearchConfig, concurrency: int) -> int:
+    """Sequences one step decodes when `concurrency` problems run at once: one path per problem, whatever n."""
+    return concurrency
 
 
 @dataclass(frozen=True)
@@ -64,42 +90,41 @@ class ScoreOutput:
 
 
 @sgl.function
-def write_step(s, context: str, budget: int, settings: RSDConfig):
+def write_step(s, context: str, budget: int, config: SearchConfig):
     """One reasoning step after `context` (a model's prompt plus the solution so far), on either model."""
     s += context
-    s += sgl.gen("step", max_tokens=budget, stop=settings.step_delimiter,
-                 temperature=settings.temperature, top_p=settings.top_p)
+    s += sgl.gen("step", max_tokens=budget, stop=config.step_delimiter,
+                 temperature=config.temperature, top_p=config.top_p)
 
 
-def generate_step(backend: Any, context: str, budget: int, settings: RSDConfig) -> StepOutput:
+def generate_step(backend: Any, context: str, budget: int, config: SearchConfig, search: SearchContext) -> StepOutput:
     began = time.monotonic()
-    state = write_step.run(context=context, budget=budget, settings=settings, backend=backend)
+    with search.running():
+        state = write_step.run(context=context, budget=budget, config=config, backend=backend)
     meta = wait_meta(state, "step")
     elapsed = time.monotonic() - began
-    ending = finish_reason_of(meta, settings.step_delimiter)
+    ending = finish_reason_of(meta, config.step_delimiter)
     text = state["step"]
     if ending == "step":
-        text += settings.step_delimiter  # the server trims the matched stop string
+        text += config.step_delimiter  # the server trims the matched stop string
     return StepOutput(text=text, ending=ending, tokens=int(meta.get("completion_tokens", 0)),
                       prompt_tokens=int(meta.get("prompt_tokens", 0)),
                       cached_tokens=int(meta.get("cached_tokens", 0) or 0), time_s=elapsed)
 
 
-def score_step(scorer: Any, prompt: str, steps: list[str], proposal: str) -> ScoreOutput:
+def score_step(scorer: Any, prompt: str, steps: list[str], proposal: str, search: SearchContext) -> ScoreOutput:
     """The PRM score of `proposal` after `steps`, r(y_i | x, y_1:i-1) of Algorithm 1."""
-    before = scorer.tokens_processed
     began = time.monotonic()
-    scores = scorer.score(prompt, [steps + [proposal]])
+    scored = scorer.score_counted(prompt, [steps + [proposal]])
     elapsed = time.monotonic() - began
+    scores = scored.scores
     assert len(scores) == 1 and len(scores[0]) == len(steps) + 1, "scorer must return one score per step"
-    return ScoreOutput(score=float(scores[0][-1]), tokens=scorer.tokens_processed - before, time_s=elapsed)
+    search.scored(scores)
+    return ScoreOutput(score=float(scores[0][-1]), tokens=scored.counts.input_tokens, time_s=elapsed)
 
 
-def rsd_settings(runtimes: Runtimes) -> RSDConfig:
-    settings = runtimes.extras.get("rsd", RSDConfig())
-    if not isinstance(settings, RSDConfig):
-        raise ValueError(f"runtimes.extras['rsd'] must be an RSDConfig, got {type(settings).__name__}")
-    return settings
+def rsd_settings(config: SearchConfig) -> Settings:
+    return settings_of(config, Settings, "rsd")
 
 
 def check_runtimes(runtimes: Runtimes) -> None:
@@ -110,15 +135,15 @@ def check_runtimes(runtimes: Runtimes) -> None:
         raise ValueError("rsd needs a scorer (the PRM): set 'scorer' in the run config")
 
 
-def step_config(config: SearchConfig, settings: RSDConfig) -> SearchConfig:
-    """The search config with RSD's own step loop settings (delimiter, step limit, sampling)."""
-    return dataclasses.replace(config, max_steps=settings.max_steps, temperature=settings.temperature,
-                               top_p=settings.top_p, step_delimiter=settings.step_delimiter)
+def problem_rng(config: SearchConfig, problem_id: str) -> random.Random:
+    """Algorithm 2's uniform draws for one problem: seeded by (search seed, problem), so independent of run order."""
+    return random.Random(f"{config.seed}/{problem_id}")
 
 
-def problem_rng(settings: RSDConfig, problem_id: str) -> random.Random:
-    """Algorithm 2's uniform draws for one problem: seeded by (seed, problem), so independent of run order."""
-    return random.Random(f"{settings.seed}/{problem_id}")
+def settings_record(settings: Settings, config: SearchConfig) -> dict[str, Any]:
+    """The settings that decided a result: the acceptance settings and the step loop's."""
+    return {**dataclasses.asdict(settings), "seed": config.seed, "step_delimiter": config.step_delimiter,
+            "max_steps": config.max_steps, "temperature": config.temperature, "top_p": config.top_p}
 
 
 def _model_path(component: Any) -> str | None:
@@ -135,11 +160,11 @@ def _matmul_params(model_path: str) -> int | None:
         return None
 
 
-def parameter_counts(runtimes: Runtimes) -> dict[str, int | None]:
-    """N of each model for the 2N-FLOPs-per-token rule: the weights used in matrix products per token
-    (`roofline.ModelSpec.matmul_params`, counted from the model's config). None when unknown."""
-    if "params" in runtimes.extras:
-        return dict(runtimes.extras["params"])
+def parameter_counts(runtimes: Runtimes, params: dict[str, int | None] | None = None) -> dict[str, int | None]:
+    """N of each model for the 2N-FLOPs-per-token rule: `params` when given, else the weights used in matrix
+    products per token (`roofline.ModelSpec.matmul_params`, counted from the model's config). None when unknown."""
+    if params is not None:
+        return dict(params)
     parts = {"draft": runtimes.generator, "target": runtimes.target, "prm": runtimes.scorer}
     return {name: (_matmul_params(path) if (path := _model_path(part)) else None) for name, part in parts.items()}
 
@@ -151,21 +176,12 @@ def target_is_draft_model(runtimes: Runtimes) -> bool:
     return draft is not None and draft == target
 
 
-def keep_step(path: Path, step: StepOutput, score: float, config: SearchConfig, tracker: SearchTracker) -> None:
+def keep_step(path: Path, step: StepOutput, score: float, config: SearchConfig, tracker: SearchContext) -> None:
     """Append the kept step and decide whether the solution is finished (answer, eos, or a limit)."""
     path.steps.append(step.text)
     path.step_scores.append(score)
     path.tokens += step.tokens
-    answer = extract_answer(step.text)
-    if answer is not None:
-        path.answer = answer
-        finish(path, "answer", tracker)
-    elif step.ending == "eos":
-        finish(path, "eos", tracker)
-    elif path.tokens >= config.max_tokens:
-        finish(path, "max_tokens", tracker)
-    elif len(path.steps) >= config.max_steps:
-        finish(path, "max_steps", tracker)
+    settle_step(path, step.ending, config, tracker, extract_answer)
 
 
 def problem_statistics(records: list[StepRecord], params: dict[str, int | None]) -> dict[str, Any]:
@@ -183,18 +199,17 @@ def _fetch(cache: StepCache | None, part: str, key: tuple, compute: Callable[[],
     return cache.fetch(part, key, compute) if cache is not None else (compute(), False)
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None, *,
+        step_cache: StepCache | None = None, params: dict[str, int | None] | None = None) -> SearchResult:
+    """`step_cache`: shared by runs that should reuse each other's steps (the delta sweep); `params`: the
+    parameter counts for FLOPs, when the runtimes' model configs do not give them."""
     check_runtimes(runtimes)
-    settings = rsd_settings(runtimes)
-    config = step_config(config, settings)
-    tracker = SearchTracker(config)
+    settings = rsd_settings(config)
+    tracker = start_search(runtimes, config, problem.id, context)
     draft_prompt = runtimes.prompt(problem.question)
-    target_prompt = runtimes.extras.get("target_prompt", runtimes.prompt)(problem.question)
-    # A private copy of the scorer, so that its tokens_processed counter counts this problem's tokens only
-    # while other problems score through the same scorer concurrently.
-    scorer = copy.copy(runtimes.scorer)
-    cache: StepCache | None = runtimes.extras.get("rsd_cache")
-    rng = problem_rng(settings, problem.id)
+    target_prompt = (runtimes.target_prompt or runtimes.prompt)(problem.question)
+    scorer = runtimes.scorer
+    rng = problem_rng(config, problem.id)
     path = Path(state=None)
     records: list[StepRecord] = []
     cache_hits = 0
@@ -202,14 +217,15 @@ def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
         budget = max(1, min(config.max_step_tokens, config.max_tokens - path.tokens))
         key = (draft_prompt, target_prompt, tuple(path.steps), budget)
         steps = list(path.steps)
-        draft, hit_draft = _fetch(cache, "draft", key, lambda: generate_step(
-            runtimes.generator, draft_prompt + path.text, budget, settings))
-        scored, hit_score = _fetch(cache, "score", key, lambda: score_step(scorer, draft_prompt, steps, draft.text))
+        draft, hit_draft = _fetch(step_cache, "draft", key, lambda: generate_step(
+            runtimes.generator, draft_prompt + path.text, budget, config, tracker))
+        scored, hit_score = _fetch(step_cache, "score", key, lambda: score_step(
+            scorer, draft_prompt, steps, draft.text, tracker))
         accepted = accept_draft_step(scored.score, settings, rng)
         target, hit_target = None, False
         if not accepted:
-            target, hit_target = _fetch(cache, "target", key, lambda: generate_step(
-                runtimes.target, target_prompt + path.text, budget, settings))
+            target, hit_target = _fetch(step_cache, "target", key, lambda: generate_step(
+                runtimes.target, target_prompt + path.text, budget, config, tracker))
         cache_hits += hit_draft + hit_score + hit_target
         kept = draft if accepted else target
         records.append(StepRecord(
@@ -224,9 +240,9 @@ def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
         tracker.verifier_calls += 1
         tracker.iterations += 1
         keep_step(path, kept, scored.score, config, tracker)
-    params = parameter_counts(runtimes)
+    params = parameter_counts(runtimes, params)
     extra = {"rsd": {
-        "settings": dataclasses.asdict(settings),
+        "settings": settings_record(settings, config),
         "params": params,
         "target_is_draft_model": target_is_draft_model(runtimes),
         "cache_hits": cache_hits,

@@ -11,14 +11,15 @@ import dataclasses
 
 from programs.best_of_n import best_of_n_program
 from sgl_tts.search import (RUNTIME_FAILURES, build_result, Runtimes, search_failed, SearchConfig, SearchResult,
-                            SearchTracker, start_search)
+                            SearchContext, start_search)
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    runtimes, tracker = start_search(runtimes, config, problem.id)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    tracker = start_search(runtimes, config, problem.id, context)
     try:
-        state = best_of_n_program.run(prompt=runtimes.prompt(problem.question), config=config, tracker=tracker,
-                                      backend=runtimes.generator)
+        with tracker.running():
+            state = best_of_n_program.run(prompt=runtimes.prompt(problem.question), config=config,
+                                          tracker=tracker, backend=runtimes.generator)
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, "self_consistency", [], config, tracker, exc) from exc
     tracker.generator_time_s = tracker.elapsed()

@@ -18,7 +18,7 @@ import statistics
 import sglang as sgl
 
 from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
-                            SearchConfig, SearchResult, SearchTracker)
+                            SearchConfig, SearchResult, SearchContext)
 
 
 def next_granularity(g: int, kept: list[Path], pruned: list[Path], config: SearchConfig) -> int:
@@ -29,7 +29,7 @@ def next_granularity(g: int, kept: list[Path], pruned: list[Path], config: Searc
     return min(2 * g, config.max_steps) if margin < config.granularity_margin else config.granularity
 
 
-def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: SearchTracker) -> list[Path]:
+def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: SearchContext) -> list[Path]:
     """Each unfinished path one step further (one child each, no verification); finished ones unchanged."""
     growing = [(p, 1) for p in paths if p.active]
     if not growing:
@@ -40,7 +40,7 @@ def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: Search
 
 @sgl.function
 def varying_granularity_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes,
-                                tracker: SearchTracker, finished: list[Path]):
+                                tracker: SearchContext, finished: list[Path]):
     s += prompt
     beams = [Path(state=s)]
     g, steps_done = config.granularity, 0
@@ -63,5 +63,5 @@ def varying_granularity_program(s, prompt: str, config: SearchConfig, runtimes: 
     return finished + beams
 
 
-def run(problem, config: SearchConfig, runtimes: Runtimes) -> SearchResult:
-    return run_search(varying_granularity_program, problem, "varying_granularity", config, runtimes)
+def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContext | None = None) -> SearchResult:
+    return run_search(varying_granularity_program, problem, "varying_granularity", config, runtimes, context=context)

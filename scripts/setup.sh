@@ -37,9 +37,16 @@ fi
 
 # Point the environment at this checkout (cheap; a new clone re-points it). Asked from outside the
 # checkout: run here, Python would find this checkout's sgl_tts first whatever the install points at.
+# Installed again when pyproject.toml changed since the last install (console scripts and entry points are
+# written at install time): a marker in the environment names the hash of the pyproject.toml installed.
 installed=$(cd / && "$venv/bin/python" -c "import sgl_tts, pathlib; print(pathlib.Path(sgl_tts.__file__).resolve().parent.parent)" 2>/dev/null || true)
-if [ "$installed" != "$(pwd -P)" ]; then
-    "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+marker="$venv/.sgl-tts-pyproject-$("$PYTHON" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:12])")"
+if [ "$installed" != "$(pwd -P)" ] || [ ! -f "$marker" ]; then
+    rm -f "$venv"/.sgl-tts-pyproject-*
+    if output=$("$venv/bin/pip" install -q --no-deps -e . 2>&1); then
+        touch "$marker"  # only after a successful install: a failed one is tried again next time
+    fi
+    printf '%s' "$output" | grep -v '^WARNING: Location' || true
 fi
 ln -sfn "$venv" .venv
 

@@ -8,6 +8,7 @@ raises `ConfigError` naming the dotted key and the source file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -181,3 +182,12 @@ def load_yaml(cls: type[T], path: str | Path) -> T:
 def to_dict(config: Any) -> dict[str, Any]:
     """The config as plain data (for provenance records and hashing)."""
     return dataclasses.asdict(config)
+
+
+def parse_json_object(line: bytes) -> dict[str, Any]:
+    """One JSONL line as a dict; ValueError (JSONDecodeError and UnicodeDecodeError are ValueErrors) when it
+    is not UTF-8 JSON or not an object."""
+    record = json.loads(line.decode("utf-8"))
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record

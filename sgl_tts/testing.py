@@ -20,6 +20,7 @@ from typing import Sequence
 from sglang.lang.backend.base_backend import BaseBackend
 
 from sgl_tts.frontend.backend import SearchBackend
+from sgl_tts.frontend.sglang_internals import search_of
 from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
 EOS_ID = 2
@@ -51,11 +52,19 @@ class ScriptedModel:
             return " ".join(words), "eos"
         return " ".join(words), "step"
 
+    def top_logprobs(self, word: str, k: int) -> list[tuple[float, int, None]]:
+        """The k most likely (logprob, token id, text) at an output word, most likely first: log-probabilities
+        −0.05 − spread·j with a per-word spread in [2.5, 6.25], so a word's confidence is 0.05 + spread·(k−1)/2
+        and traces of sure words are more confident than others."""
+        h = _hash("logprobs", word)
+        spread = 2.5 + 0.25 * (h % 16)
+        return [(-0.05 - spread * j, (h + j) % 32_000, None) for j in range(k)]
+
 
 class ScriptedBackend(SearchBackend, BaseBackend):
-    """Serves `ScriptedModel` through the frontend: one `generate` per `sgl.gen`, with the lineage tags,
-    accounting and per-run views of every sgl-tts backend. A search seed other than 0 gives other (equally
-    reproducible) samples: the variant key becomes (seed, k)."""
+    """Serves `ScriptedModel` through the frontend: one `generate` per `sgl.gen`, with the lineage tags and
+    the reporting to the request's search of every sgl-tts backend. A search seed other than 0 gives other
+    (equally reproducible) samples: the variant key becomes (seed, k)."""
 
     def __init__(self, model: ScriptedModel | None = None):
         super().__init__()
@@ -69,35 +78,43 @@ class ScriptedBackend(SearchBackend, BaseBackend):
         return "scripted"
 
     def commit_lazy_operations(self, s) -> None:
-        self.request_fields(s)  # a fork's prefix pre-send: the parent gets its lineage node, as on a runtime
+        # a fork's prefix pre-send: the parent gets its lineage node, as on a runtime
+        self.sent(s, lambda: self.request_fields(s))
         with self._lock:
             self._seen_prefixes.add(s.text_)
 
-    def next_variant(self, text: str) -> int | str:
+    def next_variant(self, text: str, seed: int | None) -> int | str:
         with self._lock:
             variant = self._variants[text]
             self._variants[text] += 1
-        return variant if not self.seed else f"{self.seed}:{variant}"
+        return variant if not seed else f"{seed}:{variant}"
 
     def generate(self, s, sampling_params):
+        return self.sent(s, lambda: self._generate(s, sampling_params))
+
+    def _generate(self, s, sampling_params):
         began = time.perf_counter()
         text = s.text_
         fields = self.request_fields(s)
-        variant = self.next_variant(text)
+        search = search_of(s)
+        variant = self.next_variant(text, search.seed if search is not None else None)
         budget = sampling_params.max_new_tokens or 10**9
         stop = sampling_params.stop
         stops_at_step = self.model.delimiter in ((stop,) if isinstance(stop, str) else tuple(stop or ()))
         pieces, produced, reason = [], 0, None
+        words_out: list[str] = []  # one token per word
         current, current_variant = text, variant
         while reason is None:
             step, ending = self.model.step(current, current_variant)
             words = step.split(" ")
             if produced + len(words) > budget:
+                words_out += words[: budget - produced]
                 pieces.append(" ".join(words[: budget - produced]))
                 produced = budget
                 reason = {"type": "length", "length": budget}
                 break
             produced += len(words)
+            words_out += words
             pieces.append(step)
             if ending == "eos":
                 reason = {"type": "stop", "matched": EOS_ID}
@@ -115,7 +132,11 @@ class ScriptedBackend(SearchBackend, BaseBackend):
             self.requests.append({"text": text, "variant": variant, "fields": fields})
         meta = {"completion_tokens": produced, "prompt_tokens": len(text), "cached_tokens": cached,
                 "finish_reason": reason}
-        self.finished(text, began, meta, output)
+        if sampling_params.return_logprob and sampling_params.top_logprobs_num:
+            top = [self.model.top_logprobs(word, sampling_params.top_logprobs_num) for word in words_out]
+            meta["output_top_logprobs"] = top
+            meta["output_token_logprobs"] = [position[0] for position in top]
+        self.answered(s, text, began, meta, output)
         return output, meta
 
 

@@ -76,11 +76,15 @@ def test_self_consistency_votes_with_no_more_tokens_than_the_search_spent():
     searched = list(session.solve_all(problems))
     lines = []
     arms = run_comparison(session, problems, searched, log=lines.append)
-    assert session.closed and len(arms) == 2  # FastTTS is off in this config: no third arm, runtimes closed
-    search_arm, sc_arm = arms
+    assert session.closed and len(arms) == 4  # FastTTS is off in this config: no FastTTS-off arm, runtimes closed
+    greedy, sample, search_arm, sc_arm = arms
+    references = [(problem, result) for program, problem, result in session.solved
+                  if program == "self_consistency" and len(result.candidates) == 1]
+    assert greedy.problems == sample.problems == 4 and len(references) >= 8, "greedy and one sample: n = 1 each"
     assert search_arm.tokens_per_problem == sum(r.generated_tokens for _, r in searched) / len(problems)
     # Recompute the matched vote by brute force: the longest prefix of the samples within the search's tokens.
-    drawn = {problem.id: result for program, problem, result in session.solved if program == "self_consistency"}
+    drawn = {problem.id: result for program, problem, result in session.solved  # the vote draws 2 or more
+             if program == "self_consistency" and len(result.candidates) >= 2}
     assert len(drawn) == len(problems) and all(r.program == "self_consistency" for r in drawn.values())
     counted, solved = 0, 0
     drawn_total = 0
@@ -96,5 +100,20 @@ def test_self_consistency_votes_with_no_more_tokens_than_the_search_spent():
     assert sc_arm.samples == f"{counted}/{drawn_total} samples"
     assert sc_arm.solved == solved
     assert sc_arm.tokens_per_problem <= search_arm.tokens_per_problem or counted == len(problems)
-    table = format_comparison(arms)
+    table = format_comparison(arms, reference=greedy)
     assert "self-consistency, matched tokens" in table and f"{search_arm.solved}/4" in table
+    assert "p vs greedy" in table and "95% interval" in table
+
+
+def test_the_table_gives_wilson_intervals_tokens_per_solved_and_the_paired_test_against_greedy():
+    from sgl_tts.app.compare import ArmSummary
+    from sgl_tts.measure.stats import mcnemar_exact
+
+    greedy = ArmSummary("greedy", (True,) * 2 + (False,) * 18, 50.0, 1.0, 1.0, generated_tokens=1000)
+    search = ArmSummary("search", (True,) * 12 + (False,) * 8, 300.0, 1.0, 2.0, generated_tokens=6000)
+    none = ArmSummary("none", (False,) * 20, 10.0, 1.0, 1.0, generated_tokens=200)
+    lines = format_comparison([greedy, search, none], reference=greedy).splitlines()
+    assert "0.03-0.30" in lines[2] and lines[2].rstrip().endswith("-"), "greedy 2/20: Wilson 0.028-0.301"
+    p = mcnemar_exact(greedy.correct, search.correct).p_value
+    assert p < 0.01 and f"{p:.3f}" in lines[3] and "500" in lines[3], "10 discordant pairs all for the search"
+    assert search.tokens_per_solved == 500 and none.tokens_per_solved is None

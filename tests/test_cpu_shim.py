@@ -52,7 +52,7 @@ def _break_the_compiler(monkeypatch, tmp_path):
 
 
 def test_the_cli_prints_one_error_line_and_exits_non_zero(tmp_path, monkeypatch, capsys):
-    from sgl_tts.app.cli import main
+    from sgl_tts.cli import main
 
     config = tmp_path / "run.yaml"
     config.write_text("generator: {model: tiny-random, device: cpu}\nscorer: {kind: likelihood}\n"

@@ -44,7 +44,7 @@ def default_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start(config, out, command=(sys.executable, "-m", "eval.runner")):
+def start(config, out, command=(sys.executable, "-m", "sgl_tts.cli", "eval")):
     return subprocess.Popen([*command, "--config", str(config), "--out", str(out), "--no-progress"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
 

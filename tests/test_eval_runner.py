@@ -13,10 +13,9 @@ from sgl_tts.problems import DatasetError, Problem
 from eval.experiment import load_experiment, plain
 from eval.report import row_key
 from eval.results import ResultStore, config_hash
-from sgl_tts.frontend.backend import SearchBackend
-from eval.runner import SCRIPTED_PROMPT, EvalRun, RequestLog, request_windows
+from eval.runner import SCRIPTED_PROMPT, EvalRun, request_windows
 from sgl_tts.config import ConfigError
-from sgl_tts.app.metrics import problem_metrics
+from sgl_tts.measure.metrics import problem_metrics
 from sgl_tts.runtime.models import ModelNotFoundError
 from sgl_tts.search.programs import load_program
 from sgl_tts.runtime.server import RuntimeDiedError
@@ -138,6 +137,38 @@ def test_complete_run_matches_direct_reference_and_carries_provenance(tmp_path):
     assert not summary["partial"] and "complete" in outcome.summary
 
 
+def test_rows_carry_the_problem_level_and_the_report_pairs_arms_with_their_own_n(tmp_path):
+    graded_ids = ["L1-01", "L1-02", "L2-01", "L3-01"]
+    experiment = write_experiment(
+        tmp_path, write_dataset(tmp_path), n_values=[], seeds=[0, 1], reference="greedy",
+        datasets=[{"name": "graded", "ids": graded_ids}, {"name": str(tmp_path / "toy.jsonl")}],
+        arms=[{"name": "greedy", "n_values": [1],
+               "overrides": {"search": {"program": "self_consistency", "temperature": 0.0}}},
+              {"name": "beam", "n_values": [2]}])
+    outcome = run(experiment, tmp_path / "run")
+    assert outcome.complete and outcome.written == 2 * 2 * (len(graded_ids) + len(GOLDS))
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
+    assert {(r["arm"], r["n"]) for r in rows} == {("greedy", 1), ("beam", 2)}
+    for row in rows:
+        if row["dataset"] == "graded":
+            assert row["level"] == int(row["problem_id"][1]), row_key(row)
+        else:
+            assert "level" not in row, row_key(row)
+    budget = json.loads((tmp_path / "run" / "summary.json").read_text())["budget"]
+    datasets = {d["dataset"]: d for d in budget["datasets"]}
+    assert set(datasets) == {"graded", "toy"}
+    for name, problems in (("graded", len(graded_ids)), ("toy", len(GOLDS))):
+        cells = {c["arm"]: c for c in datasets[name]["cells"]}
+        assert datasets[name]["reference"] == {"arm": "greedy", "n": 1}
+        assert cells["greedy"]["trials"] == cells["beam"]["trials"] == 2 * problems
+        assert cells["beam"]["vs_reference"]["pairs"] == 2 * problems
+        assert cells["beam"]["vs_reference"]["only_reference"] == cells["beam"]["vs_reference"]["only_cell"] == 0
+    assert [(lv["level"], lv["trials"]) for lv in datasets["graded"]["cells"][1]["levels"]] == [(1, 4), (2, 2), (3, 2)]
+    assert datasets["toy"]["cells"][0]["levels"] == []
+    assert (tmp_path / "run" / "plots" / "accuracy_vs_tokens-graded.png").is_file()
+    assert "## Accuracy vs budget — graded" in outcome.summary and "### Accuracy by level — graded" in outcome.summary
+
+
 def test_resume_solves_only_the_missing_problems_and_keeps_the_others(tmp_path):
     experiment = write_experiment(tmp_path, write_dataset(tmp_path))
     run(experiment, tmp_path / "run")
@@ -208,11 +239,10 @@ def test_bad_input_is_reported_before_anything_starts(tmp_path):
     unknown_dataset = write_experiment(tmp_path, dataset, datasets=[{"name": "gsm9k"}])
     with pytest.raises(DatasetError, match=r"unknown dataset 'gsm9k'; choices: aime24, amc23, gsm8k"):
         run(unknown_dataset, tmp_path / "run")
-    unknown_program = write_experiment(tmp_path, dataset, backend="sglang",
-                                       arms=[{"name": "x", "overrides": {"search": {"program": "beem_search"}}}])
     with pytest.raises(ConfigError, match=r"arms\[0\] \('x'\): unknown program 'beem_search'; known programs: .*"
                                           r"beam_search"):
-        run(unknown_program, tmp_path / "run")
+        write_experiment(tmp_path, dataset, backend="sglang",
+                         arms=[{"name": "x", "overrides": {"search": {"program": "beem_search"}}}])
     unknown_model = write_experiment(tmp_path, dataset, backend="sglang", base={"generator": {"model": "no-such-model"}})
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         run(unknown_model, tmp_path / "run")
@@ -244,55 +274,52 @@ def test_a_folder_holding_another_experiment_is_refused(tmp_path):
         run(write_experiment(tmp_path, dataset, n_values=[2, 4]), tmp_path / "run")
 
 
-class FakeBackend(SearchBackend):
-    def __init__(self, meta):
-        self.meta = meta
+def test_each_search_ledger_holds_exactly_its_own_requests_even_with_the_same_prompt():
+    """Eight searches of one question at once on one shared backend: each search's requests are told apart by
+    its context, not by prompt text (which is the same for all of them)."""
+    from programs import best_of_n
 
-    def generate(self, s, sampling_params):
-        self.finished(s.text_, time.perf_counter(), dict(self.meta))
-        return "out", dict(self.meta)
+    backend = ScriptedBackend(ScriptedModel(answer_depth=1))
+    runtimes = Runtimes(generator=backend, scorer=None, prompt=lambda q: SCRIPTED_PROMPT.format(question=q))
+    from sgl_tts.search.api import SearchConfig
 
+    search = SearchConfig(program="self_consistency", n=3, max_tokens=40)
+    problem = Problem(id="same", question="1 + 1?", gold="2")
+    contexts = [runtimes.new_search(search, f"s{i}") for i in range(8)]
+    results = [None] * 8
 
-class FakeState:
-    def __init__(self, text):
-        self.text_ = text
+    def solve(i):
+        results[i] = best_of_n.run(problem, search, runtimes, contexts[i])
 
-
-def test_request_log_attributes_requests_by_longest_prompt_and_computes_windows():
-    meta = {"completion_tokens": 7, "e2e_latency": 1.0, "first_token_latency": 0.4, "queue_time": 0.1}
-    backend = FakeBackend(meta)
-    log = RequestLog()
-    log.instrument(backend)
-    short = log.begin("Q: one")
-    long = log.begin("Q: one two")
-    backend.generate(FakeState("Q: one two\n\nstep"), None)
-    backend.generate(FakeState("Q: one\n\nstep"), None)
-    backend.generate(FakeState("Q: one\n\nmore"), None)
-    backend.generate(FakeState("unrelated"), None)
-    assert len(log.end(long)) == 1 and len(log.end(short)) == 2
-    windows = request_windows([{"backend": "generator", "client_s": 0.5, **{
-        "completion_tokens": 7, "e2e_latency": 1.0, "first_token_latency": 0.4, "queue_time": 0.1}}] * 3)
-    assert windows["requests"] == 3
-    assert windows["server_e2e_s"]["p50"] == 1.0 and windows["first_token_s"]["mean"] == pytest.approx(0.4)
-    assert windows["prompt_processing_s"]["mean"] == pytest.approx(0.3)
-    assert windows["decode_s_per_token"]["mean"] == pytest.approx(0.6 / 6)
-    bare = request_windows([{"backend": "generator", "client_s": 0.2, "completion_tokens": 3,
-                             "e2e_latency": None, "first_token_latency": None, "queue_time": None}])
-    assert bare["client_s"]["max"] == 0.2 and bare["server_e2e_s"] is None and bare["decode_s_per_token"] is None
-
-
-def test_request_log_is_thread_safe_under_concurrent_requests():
-    backend = FakeBackend({"completion_tokens": 1})
-    log = RequestLog()
-    log.instrument(backend)
-    tickets = {i: log.begin(f"P{i}:") for i in range(8)}
-    threads = [threading.Thread(target=lambda i=i: [backend.generate(FakeState(f"P{i}: x"), None) for _ in range(50)])
-               for i in range(8)]
+    threads = [threading.Thread(target=solve, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert {i: len(log.end(t)) for i, t in tickets.items()} == {i: 50 for i in range(8)}
+    for context, result in zip(contexts, results):
+        requests = context.ledger.answered_requests()
+        assert len(requests) == 3, "one request per sample of this search"
+        assert sum(r.completion_tokens for r in requests) == result.generated_tokens == context.ledger.completion_tokens
+        assert all(r.runtime == "generator" and r.client_s >= 0 for r in requests)
+    assert sum(len(c.ledger.answered_requests()) for c in contexts) == len(backend.requests), "each in one ledger"
+    from policies.base import decode_rid
+
+    runs = {decode_rid(r["fields"]["rid"]).problem_id for r in backend.requests}
+    assert len(runs) == 8 and {run.split("/")[0] for run in runs} == {f"s{i}" for i in range(8)}, (
+        "each search labels its requests with its own lineage run")
+
+
+def test_request_windows_summarise_the_ledger_requests():
+    from sgl_tts.frontend.ledger import Request
+
+    timed = Request("generator", "Q", "out", 7, 0.0, 0.5, e2e_latency=1.0, first_token_latency=0.4, queue_time=0.1)
+    windows = request_windows([timed] * 3)
+    assert windows["requests"] == 3
+    assert windows["server_e2e_s"]["p50"] == 1.0 and windows["first_token_s"]["mean"] == pytest.approx(0.4)
+    assert windows["prompt_processing_s"]["mean"] == pytest.approx(0.3)
+    assert windows["decode_s_per_token"]["mean"] == pytest.approx(0.6 / 6)
+    bare = request_windows([Request("generator", "Q", "out", 3, 0.0, 0.2)])
+    assert bare["client_s"]["max"] == 0.2 and bare["server_e2e_s"] is None and bare["decode_s_per_token"] is None
 
 
 def test_objects_json_cannot_hold_are_stored_as_their_repr(tmp_path):

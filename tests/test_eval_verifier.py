@@ -10,7 +10,8 @@ import pytest
 
 from eval import verifier
 from eval.results import ResultStore
-from sgl_tts.app.cli import build_parser
+from sgl_tts.cli import build_parser
+from sgl_tts.cli import eval as eval_cli
 from sgl_tts.problems import DatasetError
 from sgl_tts.scoring.step_labels import fold_of, load_labelled
 from sgl_tts.scoring.verifier_metrics import cross_fitted_f1, step_auroc
@@ -60,7 +61,7 @@ def run(argv, monkeypatch, scorers):
 
     monkeypatch.setattr(verifier, "start_scorer", start_scorer)
     args = build_parser().parse_args(argv)
-    assert args.func is verifier.cmd_eval_verifier
+    assert args.func is eval_cli.eval_verifier_command
     assert args.func(args) == 0
     return started
 
@@ -106,10 +107,8 @@ def test_a_folder_with_other_options_is_refused(data, configs, tmp_path, monkeyp
 
 
 def test_eval_without_a_subcommand_still_runs_experiments():
-    from eval.runner import cmd_eval
-
     args = build_parser().parse_args(["eval", "--config", "eval/configs/scripted-demo.yaml"])
-    assert args.func is cmd_eval and args.config == "eval/configs/scripted-demo.yaml"
+    assert args.func is eval_cli.eval_command and args.config == "eval/configs/scripted-demo.yaml"
 
 
 def test_bad_records_name_the_line_and_field(tmp_path):

@@ -9,11 +9,10 @@ from sgl_tts.problems import Problem
 from policies.base import decode_rid
 from policies.plugin import ENV_POLICY
 from sgl_tts.config import ConfigError, load_dataclass
-from sgl_tts.fasttts.switches import (MIB, PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label,
-                             longest_request_tokens, model_spec_for, plan_workload)
+from sgl_tts.fasttts.switches import PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label
 from sgl_tts.search.programs import load_program
 from sgl_tts.runtime.hardware import HARDWARE
-from sgl_tts.runtime.memory_plan import plan_memory
+from sgl_tts.runtime.memory_plan import MIB, longest_request_tokens, model_spec_for, plan_memory, plan_workload
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.app.session import RunConfig
@@ -76,8 +75,9 @@ def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_every_runtime
     settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
     spec = model_spec_for(SMOL)
     assert spec.kv_bytes_per_token == KV_FP32
-    floor = longest_request_tokens(fast, SEARCH)
-    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], plan_workload(fast, SEARCH), 300 * MIB, min_tokens=floor)
+    floor = longest_request_tokens(fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
+    work = plan_workload(SEARCH.n, fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
+    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], work, 300 * MIB, min_tokens=floor)
     assert settings.split == "roofline" and settings.plan.shared == plan.shared
     assert settings.verifier.max_total_tokens == plan.verifier.max_total_tokens >= floor
     assert settings.generator.max_total_tokens == plan.generator.max_total_tokens >= floor
@@ -132,11 +132,10 @@ def test_the_search_is_the_same_however_often_it_runs(model):
     assert all(decode_rid(r["fields"]["rid"]) is not None for r in first_backend.requests)
 
 
-def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch):
+def fake_session_runtimes(monkeypatch):
+    """Sessions on fake runtimes: the started runtimes (in start order) and run configs by FastTTS label."""
     from sgl_tts.app import session as session_module
-    from sgl_tts.scoring.config import ScorerConfig
-    from sgl_tts.runtime.server import share_cpu_cores
-    from sgl_tts.app.session import Session
+    from sgl_tts.scoring.scorer_config import ScorerConfig
     started = []
 
     class FakeRuntime:
@@ -159,14 +158,21 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
 
     monkeypatch.setattr(session_module.Runtime, "start", staticmethod(start))
     class FakeEndpoint:  # the real one asks the server for its model info
-        def __init__(self, runtime, standard_priority=None, send_seed=False, extension_factory=None):
-            self.runtime, self.standard_priority, self.extension_factory = runtime, standard_priority, extension_factory
+        def __init__(self, runtime, standard_priority=None, send_seed=False):
+            self.runtime, self.standard_priority = runtime, standard_priority
 
     monkeypatch.setattr("sgl_tts.frontend.backend.TTSEndpoint", FakeEndpoint)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: None)
     base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH)
     # 40 MiB: a budget tight enough that M's split differs from the static one (test_m_splits_the_budget_...)
-    arm = lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=40, hardware="rtx4090"))
+    return started, lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=40,
+                                                                                  hardware="rtx4090"))
+
+
+def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch):
+    from sgl_tts.runtime.server import share_cpu_cores
+    from sgl_tts.app.session import Session
+    started, arm = fake_session_runtimes(monkeypatch)
 
     first = Session(arm("baseline"))
     assert [r.name for r in started] == ["generator", "scorer"]
@@ -183,17 +189,50 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
     assert third.runtimes["generator"].config.max_total_tokens == third.fasttts.generator.max_total_tokens
     generator_backend = third.search_runtimes.generator
     assert generator_backend.standard_priority == third.config.fasttts.standard_priority, "S: standard priority"
-    extension = generator_backend.extension_factory(type("View", (), {"seed": 0, "run_label": "p"})())
+    extension = third.new_search(type("Problem", (), {"id": "p"})()).extension
     assert extension.client.runtime is third.runtimes["generator"], "S: speculation goes to the generator runtime"
-    assert second.search_runtimes.generator.extension_factory is None, "no extension without S"
+    assert second.search_runtimes.extension_factory is None, "no extension without S"
     same = Session(arm("P+M+S"), reuse=third.detach())
     assert len(started) == 5, "identical settings reuse both runtimes"
     same.close()
     assert all(r.stopped for r in started)
 
 
+def test_a_session_pool_keeps_sets_of_runtimes_and_offers_the_oldest_when_full(monkeypatch):
+    from sgl_tts.app.session import SessionPool
+    started, arm = fake_session_runtimes(monkeypatch)
+    pool = SessionPool(live=2)
+    baseline = pool.switch(arm("baseline"))
+    assert baseline.reused == [] and len(started) == 2
+    pool.give_back(baseline)
+    full = pool.switch(arm("P+M+S"))  # room for two sets: the baseline's stay untouched
+    assert full.reused == [] and len(started) == 4 and not any(r.stopped for r in started)
+    pool.give_back(full)
+    again = pool.switch(arm("baseline"))
+    assert sorted(again.reused) == ["generator", "scorer"] and len(started) == 4, "the same settings: kept"
+    pool.give_back(again)
+    p_only = pool.switch(arm("P"))  # full: the oldest set (P+M+S) is offered, M's budgets differ from P's
+    assert p_only.reused == [] and [r.stopped for r in started] == [False, False, True, True, False, False]
+    pool.give_back(p_only)
+    scorer = started[1]
+    baseline_again = pool.switch(arm("baseline"))  # kept, though P was given back after it
+    assert baseline_again.runtimes["scorer"] is scorer and len(started) == 6
+    pool.give_back(baseline_again)
+    just_p = pool.switch(arm("P"))
+    assert sorted(just_p.reused) == ["generator", "scorer"]
+    just_p.close()
+    pool.close()
+    assert all(r.stopped for r in started)
+    one = SessionPool(live=1)
+    one.give_back(one.switch(arm("baseline")))
+    p_after = one.switch(arm("P"))  # the one kept set is offered: P changes the generator only
+    assert p_after.reused == ["scorer"] and started[-3].stopped and not started[-2].stopped
+    p_after.close()
+    one.close()
+
+
 def test_bench_cells_medians_ranges_and_claims():
-    from sgl_tts.bench.fasttts import Arm, compare, format_table, measure
+    from sgl_tts.bench.fasttts import FastTTSArm, compare, format_table, measure
     from sgl_tts.search.records import Candidate, SearchResult
 
     def result(tokens, seconds, verifier_s=0.0, speculation=None):
@@ -217,12 +256,13 @@ def test_bench_cells_medians_ranges_and_claims():
     lines = format_table(cells, ["beam_search"], [8], ["baseline", "V", "all"]).splitlines()
     assert len(lines) == 3, "a header, then one line per measured arm"
     assert "1.00x " in lines[1] and "2.50x*" in lines[2] and "0.40x*" in lines[2]
-    assert Arm.parse("all") == Arm("all", "P+M+S", True) and Arm.parse("V") == Arm("V", "baseline", True)
-    assert Arm.parse("P+M") == Arm("P+M", "P+M", False)
-    assert Arm.parse("baseline") == Arm("baseline", "baseline", False)
+    assert FastTTSArm.parse("all") == FastTTSArm("all", "P+M+S", True)
+    assert FastTTSArm.parse("V") == FastTTSArm("V", "baseline", True)
+    assert FastTTSArm.parse("P+M") == FastTTSArm("P+M", "P+M", False)
+    assert FastTTSArm.parse("baseline") == FastTTSArm("baseline", "baseline", False)
     for bad in ("Q", "V+V", ""):
         with pytest.raises(ValueError, match="bad arm"):
-            Arm.parse(bad)
+            FastTTSArm.parse(bad)
 
 
 def test_co_located_cpu_runtimes_split_the_cores():

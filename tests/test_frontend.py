@@ -37,9 +37,9 @@ def test_the_example_plain_program_imports_nothing_of_sgl_tts():
 def scripted_run(program, search=SEARCH, model=None):
     backend = ScriptedBackend(model or ScriptedModel(answer_depth=2, answer_chance=0.4))
     completions = []
-    backend.observe(lambda text, seconds, meta: completions.append(meta["completion_tokens"]))
     runtimes = Runtimes(generator=backend, scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
-    return load_program(program)(PROBLEM, search, runtimes), backend, completions
+    context = runtimes.new_search(search, PROBLEM.id, observers=[lambda r: completions.append(r.completion_tokens)])
+    return load_program(program)(PROBLEM, search, runtimes, context), backend, completions
 
 
 @pytest.mark.parametrize("program", [STEP_VOTE, "beam_search", "dvts", "dynamic_branching", "varying_granularity",
@@ -90,14 +90,12 @@ def test_one_seed_reproduces_a_search_and_another_seed_changes_it():
     assert request_seed(7, 3) == request_seed(7, 3) != request_seed(7, 4)
 
 
-def test_per_run_views_count_apart_and_into_their_parent():
-    backend = ScriptedBackend()
-    first, second = backend.for_run(1), backend.for_run(2)
-    assert first.ledger is not second.ledger and first.origin is backend is second.origin
-    runtimes = Runtimes(generator=first, scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
-    result = load_program("beam_search")(PROBLEM, SEARCH, runtimes)
-    assert first.ledger.completion_tokens == result.generated_tokens > 0, "the search's own view counts into it"
-    assert second.ledger.requests == 0
+def test_searches_on_one_shared_backend_count_apart():
+    runtimes = Runtimes(generator=ScriptedBackend(), scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
+    first, second = runtimes.new_search(SEARCH, "a"), runtimes.new_search(SEARCH, "b")
+    result = load_program("beam_search")(PROBLEM, SEARCH, runtimes, first)
+    assert first.ledger.completion_tokens == result.generated_tokens > 0, "the search's requests count into it"
+    assert second.ledger.requests == 0 and not hasattr(runtimes.generator, "ledger"), "and nowhere else"
 
 
 class DeadRuntime:

@@ -34,11 +34,12 @@ def test_a_plain_program_is_tagged_accounted_and_grouped_by_the_scheduler(policy
     tokenizer = AutoTokenizer.from_pretrained(runtime.model_path)
     generator = TTSEndpoint(runtime)
     reported = []  # completion_tokens of every request, as the server's meta_info gave it
-    generator.observe(lambda text, seconds, meta: reported.append(meta["completion_tokens"]))
     runtimes = Runtimes(generator=generator, scorer=None, prompt=lambda q: chat_prompt(tokenizer, q))
     config = SearchConfig(n=4, max_steps=3, max_step_tokens=8, max_tokens=24, temperature=1.0)
+    context = runtimes.new_search(config, "vote", observers=[lambda request: reported.append(request.completion_tokens)])
     before = generated_tokens_served(runtime)
-    result = load_program(STEP_VOTE)(Problem(id="vote", question="What is 2 + 3?", gold="5"), config, runtimes)
+    result = load_program(STEP_VOTE)(Problem(id="vote", question="What is 2 + 3?", gold="5"), config, runtimes,
+                                     context)
     assert result.generated_tokens == sum(reported) > 0, "the server's own per-request counts, every request"
     # The server-wide counter (Prometheus) saw at least as many: nothing is counted that was not generated.
     assert generated_tokens_served(runtime) - before >= result.generated_tokens

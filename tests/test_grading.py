@@ -194,3 +194,22 @@ def test_timeouts_through_the_real_helper_leave_the_cache_empty():
     assert grading._math_verify_equal.cache_info().currsize == 0
     assert answers_equal("\\frac{3}{6}", "0.5")
     assert grading._math_verify_equal.cache_info().currsize == 1
+
+
+def test_a_number_stated_as_the_answer_is_extracted():
+    # "36 is the answer." is how SmolLM2-135M often ends; before, no answer was extracted from it
+    assert extract_answer("6 * 6 = 36\n\n36 is the answer.") == "36"
+    assert extract_answer("So 1,200 is the final answer") == "1200"
+    assert extract_answer("The answer is 5. Then 36 is the answer") == "5", "a marked 'The answer is' comes first"
+    assert extract_answer("36 is the number of eggs") is None
+
+
+def test_a_solution_the_model_ended_answers_with_its_last_number():
+    from sgl_tts.search.grading import answer_at_end
+
+    assert answer_at_end("To find 9 - 1 we subtract.\nSo, 9 - 1 = 8.") == "8"
+    assert answer_at_end("The answer is \\boxed{7}. Then 9 more") == "7", "a marked answer wins"
+    assert answer_at_end("So the total is 1,250 coins.\n\n") == "1250"
+    assert answer_at_end("w12 w7 w40") is None, "digits inside words are not numbers"
+    assert answer_at_end("no number at all") is None and answer_at_end("") is None
+    assert answer_at_end("2 + 3 = 5", extract=lambda text: "custom") == "custom"

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepMemo, StepScorer
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
 from sgl_tts.scoring.likelihood import LikelihoodScorer
 from sgl_tts.scoring.prm import MathShepherdScorer
@@ -462,7 +462,7 @@ def test_skywork_layout_is_the_models_own_reading(tmp_path):
 
 
 def test_bench_call_log_records_each_call_and_the_table_compares_the_arms():
-    from sgl_tts.bench.verifier import CallLog, format_table
+    from sgl_tts.bench.verifier_scoring import CallLog, format_table
 
     calls = {}
     for arm, incremental in (("full", False), ("incremental", True)):

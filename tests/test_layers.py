@@ -90,14 +90,73 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+# The layers of docs/structure.md, bottom to top: a package imports only packages on its own layer or below,
+# and packages on one layer do not import each other in a cycle. Top-level modules of `sgl_tts` count as packages.
+LAYERS = (
+    ("sgl_tts", "sgl_tts.registry", "sgl_tts.config", "sgl_tts.paths", "sgl_tts.graded_set", "sgl_tts.problems"),
+    ("policies",),
+    ("sgl_tts.runtime",),
+    ("sgl_tts.frontend",),
+    ("sgl_tts.scoring",),
+    ("sgl_tts.search",),
+    ("sgl_tts.fasttts",),
+    ("sgl_tts.rsd",),
+    ("sgl_tts.testing",),
+    ("programs",),
+    ("sgl_tts.measure",),
+    ("sgl_tts.app",),
+    ("sgl_tts.bench", "sgl_tts.serve"),
+    ("eval",),
+    ("sgl_tts.cli",),
+)
+LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
+
+
+def package_of(module: str) -> str:
+    """`sgl_tts.search.api` -> `sgl_tts.search`; `programs.rsd` -> `programs`; `sgl_tts.config` -> itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "sgl_tts" else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        packages[package_of(module)] |= {package_of(t) for t in targets} - {package_of(module)}
+    return packages
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) pairs whose package is on a higher layer than the importer's."""
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if LAYER_OF[package_of(t)] > LAYER_OF[package_of(m)])
+
+
+def test_every_package_has_a_layer():
+    unplaced = sorted(set(package_graph(import_graph())) - set(LAYER_OF))
+    assert unplaced == [], f"packages missing from LAYERS (and from docs/structure.md): {unplaced}"
+
+
+def test_no_package_cycles():
+    assert cycles(package_graph(import_graph())) == []
+
+
 def test_imports_point_down_the_layers():
-    graph = import_graph()
-    upward = [(m, t) for m, targets in graph.items() if m.startswith("sgl_tts") for t in targets
-              if t.split(".")[0] in ("eval", "programs")]
-    assert upward == [], "sgl_tts imports a layer above it"
-    from_policies = [(m, t) for m, targets in graph.items() if m.startswith("policies") for t in targets
+    assert upward_imports(import_graph()) == [], "a module imports a layer above it"
+    from_policies = [(m, t) for m, targets in import_graph().items() if m.startswith("policies") for t in targets
                      if not t.startswith("policies") and t != "sgl_tts.registry"]
     assert from_policies == [], "policies run inside the scheduler and import only themselves"
+
+
+def test_the_layer_checks_catch_an_upward_import_and_a_package_cycle():
+    graph = {"sgl_tts.search.api": {"sgl_tts.app.session"}, "sgl_tts.app.session": {"sgl_tts.search.api"}}
+    assert upward_imports(graph) == [("sgl_tts.search.api", "sgl_tts.app.session")]
+    assert cycles(package_graph(graph)) == [["sgl_tts.app", "sgl_tts.search"]]
+
+
+def test_no_argparse_below_the_cli():
+    below = sorted(str(file.relative_to(ROOT)) for module, file in modules().items()
+                   if package_of(module) != "sgl_tts.cli" and "argparse" in file.read_text())
+    assert below == [], "library modules hold no command-line parsing"
 
 
 def test_programs_know_nothing_of_fasttts():

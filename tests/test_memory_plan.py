@@ -10,12 +10,11 @@ import random
 import pytest
 
 from sgl_tts.config import ConfigError
-from sgl_tts.fasttts.switches import (FastTTSConfig, configure_runtimes, describe_settings, from_label,
-                                      longest_request_tokens)
+from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes, describe_settings, from_label
 from sgl_tts.runtime import hardware
 from sgl_tts.runtime.hardware import GIB, HARDWARE, THIS_MACHINE, Hardware, plan_hardware, profile_for_device
-from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, kv_budget, plan_memory, split_budget,
-                                         start_order_safe_fractions)
+from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, kv_budget, longest_request_tokens, plan_memory,
+                                         split_budget, start_order_safe_fractions)
 from sgl_tts.runtime.roofline import Workload, load_model_spec
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import SearchConfig
@@ -140,7 +139,7 @@ def test_m_on_gpu_without_a_budget_takes_the_device_memory_and_logs_it(monkeypat
 def test_three_runtimes_share_one_budget_and_each_holds_its_longest_request():
     target = RuntimeConfig(model="qwen2.5-math-1.5b", device="cpu")  # fp32 on CPU: 57344 KV bytes a token
     rng = random.Random(1)
-    floor = longest_request_tokens(FastTTSConfig(), SEARCH)
+    floor = longest_request_tokens(FastTTSConfig().prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
     planned = 0
     for _ in range(20):
         budget_mib = rng.uniform(100, 2000)

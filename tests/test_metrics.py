@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from sgl_tts.app.metrics import aggregate, over_repetitions, percentile, problem_metrics, summarize
+from sgl_tts.measure.metrics import aggregate_rows, over_repetitions, percentile, problem_metrics, summarize
 from sgl_tts.search.records import Candidate, SearchResult
 
 
@@ -84,14 +84,14 @@ def test_problem_metrics_from_dict_equals_from_result():
                                                                                           grade_fn=exact_grade)
 
 
-def test_aggregate():
+def test_aggregate_rows():
     rows = [
         problem_metrics(search_result(), gold="4", pass_ns=[1, 4], grade_fn=exact_grade),
         problem_metrics(search_result(problem_id="p2", answer="5", prompt_tokens=300, cached_tokens=0,
                                       total_time_s=10.0, generator_time_s=5.0, verifier_time_s=5.0),
                         gold="5", pass_ns=[1, 4], grade_fn=exact_grade),
     ]
-    result = aggregate(rows)
+    result = aggregate_rows(rows)
     assert result["problems"] == 2 and result["graded"] == 2 and result["errors"] == 0
     assert result["accuracy"] == {"correct": 1.0, "majority_correct": 0.5, "weighted_correct": 0.5,
                                   "best_correct": 0.5, "pass@1": 0.0, "pass@4": 1.0}
@@ -102,8 +102,8 @@ def test_aggregate():
     assert result["precise_goodput"]["mean"] == pytest.approx(10.0)
 
 
-def test_aggregate_of_bare_results_is_ungraded():
-    result = aggregate([search_result(candidates=[]), search_result(problem_id="p2", error="boom")])
+def test_aggregate_rows_of_bare_results_is_ungraded():
+    result = aggregate_rows([search_result(candidates=[]), search_result(problem_id="p2", error="boom")])
     assert result["graded"] == 0 and result["errors"] == 1
     assert result["accuracy"]["correct"] is None
     assert result["precise_goodput"]["n"] == 1, "a problem without candidates has no goodput"

@@ -45,7 +45,7 @@ def test_an_unknown_config_lists_the_packaged_ones(tmp_path, monkeypatch):
 def _run_cli(args, cwd, **env):
     import os
 
-    return subprocess.run([sys.executable, "-m", "sgl_tts.app.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sgl_tts.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
 
 

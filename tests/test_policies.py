@@ -19,7 +19,6 @@ from policies.prefix_order import (
     trie_nodes,
 )
 from policies.speculative import (
-    SpeculativeConfig,
     SpeculativeSelector,
     SpeculativeSlot,
     TruncationSampler,
@@ -28,7 +27,6 @@ from policies.speculative import (
     speculative_potential,
     speculative_slots,
 )
-from sgl_tts.config import ConfigError, load_dataclass
 
 
 class Req:
@@ -325,11 +323,3 @@ def test_truncation_is_seeded_clipped_and_centred_on_r():
 def test_lookahead_split(text, ended, expected):
     assert lookahead_split(text, "\n\n", ended) == expected
 
-
-def test_speculative_config_loads_strictly():
-    cfg = load_dataclass(SpeculativeConfig, {"branching": 2, "truncation_ratio": 0.5}, "spec.yaml")
-    assert cfg.branching == 2 and cfg.truncation_ratio == 0.5
-    with pytest.raises(ConfigError, match="spec.yaml"):
-        load_dataclass(SpeculativeConfig, {"truncation_ratio": 1.5}, "spec.yaml")
-    with pytest.raises(ConfigError, match="ratio"):
-        load_dataclass(SpeculativeConfig, {"ratio": 0.5}, "spec.yaml")

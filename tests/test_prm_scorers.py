@@ -15,7 +15,7 @@ from sgl_tts.config import ConfigError, load_yaml
 from sgl_tts.scoring.prm import (ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer,
                                  classifier_runtime_config)
 from sgl_tts.scoring.base import ScorerError
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import SCORERS as SCORER_KINDS, make_scorer
 from sgl_tts.scoring.likelihood import LikelihoodScorer
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.probe import (PROBE_FILE, ProbeHead, ProbeScorer, build_probe_checkpoint, readout_positions,
                                    step_spans)
 from sgl_tts.scoring.probe_train import extract_features, fit_logistic, load_features

@@ -24,7 +24,8 @@ from sgl_tts.search.programs import load_program
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import ScorerError, StepScorer, aggregate
 from sgl_tts.scoring.likelihood import LikelihoodScorer
-from sgl_tts.search.api import Path, Runtimes, SearchConfig, SearchError, SearchTracker, build_result
+from sgl_tts.search.api import Path, Runtimes, SearchConfig, SearchError, build_result
+from sgl_tts.search.context import SearchContext
 from sgl_tts.search.selection import select
 from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
@@ -455,7 +456,7 @@ def test_build_result_ignores_the_order_paths_arrive_in():
     config = SearchConfig(selection="majority")
     paths = [Path(state=None, steps=[f"s{i}"], step_scores=[0.5], answer=str(i % 2), finish_reason="answer")
              for i in range(4)]
-    results = [build_result("p", "x", order, config, SearchTracker(config)) for order in (paths, paths[::-1])]
+    results = [build_result("p", "x", order, config, SearchContext(config)) for order in (paths, paths[::-1])]
     assert [c.text for c in results[0].candidates] == [c.text for c in results[1].candidates]
     assert results[0].answer == results[1].answer == "0"
 
@@ -569,10 +570,10 @@ def test_a_runtime_answering_with_an_error_is_a_search_failure_with_a_partial_re
     assert info.value.result.error and info.value.result.program == program
 
 
-def test_cli_lists_all_seven_programs(capsys):
-    from sgl_tts.app.cli import main
+def test_cli_lists_every_program(capsys):
+    from sgl_tts.cli import main
 
     assert main(["programs"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
-    assert set(PROGRAMS) | {"rsd"} <= set(listed)
+    assert set(PROGRAMS) | {"rsd", "deepconf"} <= set(listed)
     assert "independent subtrees" in listed["dvts"] and "no verifier" in listed["self_consistency"]

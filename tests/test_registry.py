@@ -7,7 +7,7 @@ from sgl_tts.testing import ScriptedBackend, ScriptedScorer
 
 
 def test_builtin_programs_are_registered():
-    assert {"best_of_n", "beam_search"} <= set(program_names())
+    assert {"best_of_n", "beam_search", "deepconf", "self_consistency"} <= set(program_names())
 
 
 def test_unknown_program_lists_known_names():
@@ -19,11 +19,12 @@ def test_unknown_program_lists_known_names():
 def test_user_program_file_is_loaded_and_runs(tmp_path):
     source = '''
 import sglang as sgl
-from sgl_tts.search.api import Path, SearchTracker, build_result, expand
+from sgl_tts.search.api import Path, build_result, expand
+from sgl_tts.search.context import SearchContext
 from sgl_tts.search.grading import extract_answer
 
 def run(problem, config, runtimes):
-    tracker = SearchTracker(config)
+    tracker = SearchContext(config)
     prompt = runtimes.prompt(problem.question)
 
     @sgl.function
@@ -46,6 +47,53 @@ def run(problem, config, runtimes):
                  Runtimes(generator=ScriptedBackend(), scorer=ScriptedScorer(), prompt=lambda q: q + "\n\n"))
     assert result.program == "greedy_chain"
     assert len(result.candidates) == 1 and 1 <= len(result.candidates[0].steps) <= 5
+
+
+def test_a_program_declares_its_settings_and_runtimes(tmp_path):
+    from sgl_tts.config import ConfigError
+    from sgl_tts.search.programs import program_runtimes, program_settings, with_program_settings
+
+    path = tmp_path / "repeat.py"
+    path.write_text('''
+from dataclasses import dataclass
+
+RUNTIMES = ("target",)
+
+
+@dataclass(frozen=True)
+class Settings:
+    times: int = 2
+    word: str = "hi"
+
+    def __post_init__(self):
+        if self.times < 1:
+            raise ValueError(f"times must be at least 1, got {self.times}")
+
+
+def run(problem, config, runtimes, context=None):
+    return config.settings.word * config.settings.times
+''')
+    name = str(path)
+    assert program_runtimes(name) == ("target",) and program_runtimes("beam_search") == ()
+    settings = program_settings(name, {"times": 3}, "run.yaml")
+    assert (settings.times, settings.word) == (3, "hi")
+    search = with_program_settings(SearchConfig(program=name, settings={"word": "ab"}), "run.yaml")
+    assert load_program(name)(Problem("q", "?", None), search, None) == "abab"
+    again = program_settings(name, settings, "run.yaml")  # an instance of an earlier load of the same file
+    assert (type(again).__name__, again.times) == ("Settings", 3)
+    assert (program_settings(name, None).times, program_settings(name, None).word) == (2, "hi"), "None: defaults"
+    with pytest.raises(ConfigError, match=r"run\.yaml: unknown key 'search\.settings\.time'; known keys here: times"):
+        program_settings(name, {"time": 3}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"run\.yaml: 'search\.settings\.times' must be int, got 'x'"):
+        program_settings(name, {"times": "x"}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"run\.yaml: search\.settings: times must be at least 1, got 0"):
+        program_settings(name, {"times": 0}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"run\.yaml: program 'dvts' takes no settings"):
+        program_settings("dvts", {"times": 3}, "run.yaml")
+    assert program_settings("dvts", None) is None and program_settings("dvts", {}) is None
+    path.write_text('RUNTIMES = ("verifier",)\n\ndef run(problem, config, runtimes, context=None):\n    return None\n')
+    with pytest.raises(KeyError, match="unknown runtime 'verifier' in RUNTIMES; known: scorer, target"):
+        program_runtimes(name)
 
 
 def test_a_registry_names_what_it_knows():

@@ -1,7 +1,6 @@
 """Roofline memory planner: hand arithmetic, brute force over all (B_pre, B_dec[, B_tgt]) choices, offloading,
 and the `plan memory` command."""
 
-import argparse
 import dataclasses
 import json
 import random
@@ -23,7 +22,8 @@ from sgl_tts.runtime.roofline import (
     search_offload,
     search_shared,
 )
-from sgl_tts.runtime.memory_plan import add_plan_memory_parser, bench_planner, plan_memory
+from sgl_tts.cli import build_parser
+from sgl_tts.runtime.memory_plan import bench_planner, plan_memory
 
 SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
            "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
@@ -241,19 +241,18 @@ def test_bench_planner_reports_each_n():
 
 
 def test_plan_memory_command(capsys):
-    parser = argparse.ArgumentParser(prog="sgl-tts plan")
-    add_plan_memory_parser(parser.add_subparsers())
-    args = parser.parse_args(["memory", "--hardware", "rtx4090", "--generator-config", "qwen2.5-math-1.5b",
+    parser = build_parser()
+    args = parser.parse_args(["plan", "memory", "--hardware", "rtx4090", "--generator-config", "qwen2.5-math-1.5b",
                               "--verifier-config", "skywork-prm-1.5b", "--n", "32", "--memory-gb", "1"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "--max-total-tokens" in out and "--mem-fraction-static" in out and "roofline projections" in out
-    args = parser.parse_args(["memory", "--hardware", "h200", "--generator-config", "qwen2.5-math-1.5b",
+    args = parser.parse_args(["plan", "memory", "--hardware", "h200", "--generator-config", "qwen2.5-math-1.5b",
                               "--verifier-config", "skywork-prm-1.5b", "--target-config", "qwen2.5-math-7b"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "B_tgt=" in out and [line.split()[0] for line in out.splitlines() if "--max-total-tokens" in line] == \
         ["generator", "verifier", "target"]
-    args = parser.parse_args(["memory", "--hardware", "a100"])
+    args = parser.parse_args(["plan", "memory", "--hardware", "a100"])
     assert args.func(args) == 2
     assert "unknown hardware" in capsys.readouterr().out

@@ -4,15 +4,14 @@ import random
 import numpy as np
 import pytest
 
+from programs.rsd import Settings
 from sgl_tts.config import ConfigError, load_dataclass, load_yaml
 from sgl_tts.rsd.acceptance import (
     WEIGHTINGS,
     FlopsCounter,
-    RSDConfig,
     StepRecord,
     accept_draft_step,
     accept_with_weight,
-    acceptance_rng,
     draft_only_fraction,
     get_weighting,
     rejected_draft_tokens,
@@ -20,6 +19,7 @@ from sgl_tts.rsd.acceptance import (
     target_invocation_rate,
     time_by_model,
     tokens_by_model,
+    weight,
 )
 
 
@@ -39,7 +39,7 @@ class FixedUniform:
 
 
 def test_binary_threshold_is_inclusive():
-    config = RSDConfig()
+    config = Settings()
     assert config.weighting == "binary" and config.delta == 0.7
     assert config.weight(0.7) == 1.0
     assert config.weight(math.nextafter(0.7, 0.0)) == 0.0
@@ -49,23 +49,23 @@ def test_binary_threshold_is_inclusive():
 
 
 def test_delta_zero_and_one_are_draft_only_and_target_only():
-    assert RSDConfig(delta=0.0).weight(0.0) == 1.0
-    assert RSDConfig(delta=1.0).weight(0.999) == 0.0
-    assert RSDConfig(delta=1.0).weight(1.0) == 1.0
+    assert Settings(delta=0.0).weight(0.0) == 1.0
+    assert Settings(delta=1.0).weight(0.999) == 0.0
+    assert Settings(delta=1.0).weight(1.0) == 1.0
 
 
 def test_constant_ignores_reward():
-    config = RSDConfig(weighting="constant", constant=0.6)
+    config = Settings(weighting="constant", constant=0.6)
     assert [config.weight(r) for r in (0.0, 0.5, 1.0, -3.0)] == [0.6] * 4
 
 
 def test_clipping():
-    config = RSDConfig(weighting="clipping")
+    config = Settings(weighting="clipping")
     assert [config.weight(r) for r in (-0.2, 0.0, 0.42, 1.0, 1.3)] == [0.0, 0.0, 0.42, 1.0, 1.0]
 
 
 def test_sigmoidal_is_r_over_one_plus_r():
-    config = RSDConfig(weighting="sigmoidal")
+    config = Settings(weighting="sigmoidal")
     assert config.weight(1.0) == pytest.approx(0.5)
     assert config.weight(0.25) == pytest.approx(0.2)
     assert config.weight(3.0) == pytest.approx(0.75)
@@ -75,22 +75,30 @@ def test_sigmoidal_is_r_over_one_plus_r():
 
 
 def test_logistic_values_and_monotone():
-    config = RSDConfig(weighting="logistic", logistic_alpha=1.0, delta=0.6)  # RSD Fig. 6 setting
+    config = Settings(weighting="logistic", logistic_alpha=1.0, delta=0.6)  # RSD Fig. 6 setting
     assert config.weight(0.6) == pytest.approx(0.5)
     assert config.weight(1.0) == pytest.approx(1.0 / (1.0 + math.exp(-0.4)))
     assert config.weight(0.0) == pytest.approx(1.0 / (1.0 + math.exp(0.6)))
     weights = [config.weight(r) for r in np.linspace(-2.0, 3.0, 101)]
     assert all(a < b for a, b in zip(weights, weights[1:]))
-    steep = RSDConfig(weighting="logistic", logistic_alpha=50.0, delta=0.7)
+    steep = Settings(weighting="logistic", logistic_alpha=50.0, delta=0.7)
     assert steep.weight(0.6) < 0.01 and steep.weight(0.8) > 0.99
-    assert RSDConfig(weighting="logistic", logistic_alpha=1000.0).weight(-1e6) == 0.0  # no overflow
+    assert Settings(weighting="logistic", logistic_alpha=1000.0).weight(-1e6) == 0.0  # no overflow
 
 
 def test_every_weighting_maps_rewards_into_unit_interval():
     for name in WEIGHTINGS:
-        config = RSDConfig(weighting=name)
+        config = Settings(weighting=name)
         for r in (-5.0, -1.0, 0.0, 0.3, 0.7, 1.0, 5.0):
             assert 0.0 <= config.weight(r) <= 1.0, (name, r)
+
+
+def test_weight_reads_the_four_settings_of_any_object():
+    from types import SimpleNamespace
+
+    plain = SimpleNamespace(weighting="logistic", delta=0.6, constant=0.6, logistic_alpha=2.0)
+    assert weight(0.9, plain) == Settings(weighting="logistic", delta=0.6, logistic_alpha=2.0).weight(0.9)
+    assert weight(0.9, plain) == pytest.approx(1.0 / (1.0 + math.exp(-0.6)))
 
 
 def test_unknown_weighting_lists_known_names():
@@ -108,39 +116,35 @@ def test_unknown_weighting_lists_known_names():
         ({"delta": -0.1}, "delta"),
         ({"constant": 1.2}, "constant"),
         ({"logistic_alpha": 0.0}, "logistic_alpha"),
-        ({"max_steps": 0}, "max_steps"),
-        ({"temperature": -1.0}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"step_delimiter": ""}, "step_delimiter"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        RSDConfig(**kwargs)
+        Settings(**kwargs)
 
 
 def test_unknown_weighting_in_config_names_field_and_choices():
     with pytest.raises(ValueError) as info:
-        RSDConfig(weighting="softmax")
+        Settings(weighting="softmax")
     message = str(info.value)
     assert "weighting" in message and "softmax" in message
     assert all(name in message for name in WEIGHTINGS)
 
 
 def test_load_dataclass_turns_validation_into_config_error():
-    config = load_dataclass(RSDConfig, {"weighting": "logistic", "delta": 0.6, "seed": 3}, "rsd.yaml")
-    assert (config.weighting, config.delta, config.seed) == ("logistic", 0.6, 3)
+    config = load_dataclass(Settings, {"weighting": "logistic", "delta": 0.6}, "rsd.yaml")
+    assert (config.weighting, config.delta) == ("logistic", 0.6)
     with pytest.raises(ConfigError, match=r"rsd\.yaml.*delta"):
-        load_dataclass(RSDConfig, {"delta": 2}, "rsd.yaml")
+        load_dataclass(Settings, {"delta": 2}, "rsd.yaml")
     with pytest.raises(ConfigError, match=r"rsd\.yaml.*weighting.*binary"):
-        load_dataclass(RSDConfig, {"weighting": "step"}, "rsd.yaml")
+        load_dataclass(Settings, {"weighting": "step"}, "rsd.yaml")
 
 
 def test_load_yaml_names_file_and_key(tmp_path):
     path = tmp_path / "rsd.yaml"
     path.write_text("weighting: binary\ndelta: 1.7\n")
     with pytest.raises(ConfigError) as info:
-        load_yaml(RSDConfig, path)
+        load_yaml(Settings, path)
     assert str(path) in str(info.value) and "delta" in str(info.value)
 
 
@@ -154,7 +158,7 @@ def test_weights_zero_and_one_are_deterministic_and_draw_nothing():
     assert source.draws == 0
     rng = random.Random(0)
     state = rng.getstate()
-    decisions = [accept_draft_step(r, RSDConfig(), rng) for r in (0.1, 0.7, 0.9, 0.69)]
+    decisions = [accept_draft_step(r, Settings(), rng) for r in (0.1, 0.7, 0.9, 0.69)]
     assert decisions == [False, True, True, False]
     assert rng.getstate() == state, "a binary weighting must not consume random numbers"
 
@@ -172,16 +176,16 @@ def test_fractional_weight_acceptance_rate():
 
 
 def test_seeded_acceptance_is_reproducible():
-    config = RSDConfig(weighting="logistic", delta=0.6, seed=7)
+    config = Settings(weighting="logistic", delta=0.6)
     rewards = [i / 50 for i in range(50)]
 
-    def decisions(cfg):
-        rng = acceptance_rng(cfg)
-        return [accept_draft_step(r, cfg, rng) for r in rewards]
+    def decisions(seed):
+        rng = random.Random(seed)
+        return [accept_draft_step(r, config, rng) for r in rewards]
 
-    assert decisions(config) == decisions(config)
-    assert decisions(config) != decisions(RSDConfig(weighting="logistic", delta=0.6, seed=8))
-    assert 0 < sum(decisions(config)) < len(rewards)
+    assert decisions(7) == decisions(7)
+    assert decisions(7) != decisions(8)
+    assert 0 < sum(decisions(7)) < len(rewards)
 
 
 def test_numpy_generator_works_as_uniform_source():

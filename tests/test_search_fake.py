@@ -146,3 +146,55 @@ def test_split_steps_keeps_delimiters_and_caps_count():
     assert split_steps("a\n\nb\n\nc", "\n\n", 10) == ["a\n\n", "b\n\n", "c"]
     assert split_steps("a\n\nb\n\nc", "\n\n", 2) == ["a\n\n", "b\n\nc"]
     assert split_steps("", "\n\n", 3) == [""]
+
+
+def test_an_answer_split_by_the_step_token_limit_is_found_and_an_ended_path_answers_with_its_last_number():
+    from sgl_tts.search.api import Path, SearchConfig, append_step
+    from sgl_tts.search.context import SearchContext
+    from sgl_tts.search.grading import extract_answer
+
+    class State:  # what append_step touches of a program state
+        def __iadd__(self, text):
+            return self
+
+    config = SearchConfig(max_steps=6, max_step_tokens=8, max_tokens=100)
+    context = SearchContext(config)
+    cut = {"finish_reason": {"type": "length"}, "completion_tokens": 8}
+    step = {"finish_reason": {"type": "stop", "matched": "\n\n"}, "completion_tokens": 4}
+    eos = {"finish_reason": {"type": "stop", "matched": 2}, "completion_tokens": 4}
+
+    path = Path(state=State())
+    append_step(path, "First we add. The answer", cut, config, context, extract_answer)
+    assert path.active and path.answer is None
+    append_step(path, " is 7.", step, config, context, extract_answer)
+    assert (path.finish_reason, path.answer) == ("answer", "7"), "the cut phrase is read whole"
+
+    ended = Path(state=State())
+    append_step(ended, "We add 4 and 3.", step, config, context, extract_answer)
+    append_step(ended, "So, 4 + 3 = 7.", eos, config, context, extract_answer)
+    assert (ended.finish_reason, ended.answer) == ("eos", "7"), "the model ended with its result unmarked"
+
+    limited = Path(state=State())
+    config = SearchConfig(max_steps=1, max_step_tokens=8, max_tokens=100)
+    append_step(limited, "So, 4 + 3 = 7", step, config, context, extract_answer)
+    assert (limited.finish_reason, limited.answer) == ("max_steps", None), "a path cut by a limit has no answer"
+
+
+def test_best_of_n_takes_the_last_number_of_a_solution_the_model_ended():
+    from programs import best_of_n
+    from sgl_tts.problems import Problem
+    from sgl_tts.search.api import Runtimes, SearchConfig
+    from sgl_tts.testing import ScriptedBackend, ScriptedModel
+
+    class EndsWithItsResult(ScriptedModel):
+        def step(self, text, variant):
+            depth = text.count(self.delimiter)
+            return ("We add 4 and 3.", "step") if depth < 2 else ("So, 4 + 3 = 7.", "eos")
+
+    runtimes = Runtimes(generator=ScriptedBackend(EndsWithItsResult()), scorer=None, prompt=lambda q: f"Q: {q}\n\n")
+    result = best_of_n.run(Problem("p", "4 + 3?", "7"), SearchConfig(program="best_of_n", n=3, max_tokens=50,
+                                                                     selection="majority"), runtimes)
+    assert [c.answer for c in result.candidates] == ["7"] * 3 and result.answer == "7"
+    assert all(c.finish_reason == "eos" for c in result.candidates)
+    cut = best_of_n.run(Problem("p", "4 + 3?", "7"), SearchConfig(program="best_of_n", n=2, max_tokens=6), runtimes)
+    assert all(c.answer is None and c.finish_reason == "max_tokens" for c in cut.candidates), "cut: no answer"

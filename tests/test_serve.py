@@ -20,7 +20,7 @@ from sgl_tts.serve.app import create_app
 from sgl_tts.serve.main import HTTPServer
 from sgl_tts.serve.protocol import selected_candidate
 from sgl_tts.serve.service import SearchService
-from sgl_tts.serve.tracking import SearchCancelled
+from sgl_tts.search.context import SearchCancelled
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 DEFAULTS = SearchConfig(program="beam_search", n=4, beam_width=2, max_steps=4, max_tokens=10_000)
@@ -111,6 +111,9 @@ def test_completion_is_the_search_result(server, program, settings):
     ({"model": "beam_search", "program": "dvts"}, "program"),
     ({"model": "beam_search", "messages": []}, "messages"),
     ({"model": "beam_search", "messages": [{"role": "assistant", "content": "x"}]}, "role 'user'"),
+    ({"model": "rsd", "settings": {"delta": 2}}, "settings: delta must be in [0, 1]"),
+    ({"model": "rsd", "settings": {"omega": 1}}, "unknown key 'settings.omega'"),
+    ({"model": "beam_search", "settings": {"delta": 0.5}}, "program 'beam_search' takes no settings"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):
     _, http = server
@@ -118,6 +121,20 @@ def test_bad_requests_are_400_naming_the_field(server, body, field):
     answer = httpx.post(http.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert answer.status_code == 400, answer.text
     assert field in answer.json()["error"]["message"]
+
+
+def test_a_requests_program_settings_override_the_servers_key_by_key():
+    from programs.rsd import Settings
+
+    defaults = SearchConfig(program="rsd", settings=Settings(weighting="logistic", delta=0.6))
+    service = SearchService(scripted_runtimes(), defaults, max_searches=1)
+    try:
+        assert service.search_config("rsd", {"settings": {"delta": 0.3}}).settings == Settings(
+            weighting="logistic", delta=0.3)
+        assert service.search_config("rsd", {}).settings == defaults.settings
+        assert service.search_config("beam_search", {"n": 2}).settings is None, "rsd's settings are not beam's"
+    finally:
+        service.close()
 
 
 def test_bad_n_through_the_openai_client(server):
@@ -253,7 +270,7 @@ def test_a_client_that_disconnects_cancels_its_search():
             assert json.loads(first.removeprefix("data: "))["sgl_tts"]["event"] == "start"
             assert backend.entered.wait(timeout=300)
             (job,) = service.jobs.values()
-        wait_until(lambda: job.backend.cancelled)  # the server saw the client go
+        wait_until(lambda: job.context.cancelled)  # the server saw the client go
         backend.release.set()
         with pytest.raises(SearchCancelled):
             job.future.result(timeout=60)
@@ -275,9 +292,10 @@ def test_a_client_that_disconnects_cancels_its_search():
         workers.close()
 
 
-def test_the_backend_proxy_tracks_the_lineage_rids_in_flight_and_refuses_after_cancel():
+def test_the_search_context_tracks_the_lineage_rids_in_flight_and_refuses_after_cancel():
     from policies.base import decode_rid
-    from sgl_tts.serve.tracking import CancellableBackend
+    from sgl_tts.frontend.sglang_internals import bind_search
+    from sgl_tts.search.api import Runtimes, SearchConfig
 
     class State:
         text_ = "Q: x\n\n"
@@ -286,30 +304,36 @@ def test_the_backend_proxy_tracks_the_lineage_rids_in_flight_and_refuses_after_c
             self.variables = {}
 
     class Params:
-        max_new_tokens, stop = 5, ("\n\n",)
+        max_new_tokens, stop, return_logprob, top_logprobs_num = 5, ("\n\n",), None, None
 
     seen_in_flight = []
 
     class Watched(ScriptedBackend):
-        def generate(self, s, sampling_params):
-            out = super().generate(s, sampling_params)
-            seen_in_flight.append(proxy.in_flight())  # still in flight while the backend answers
+        def _generate(self, s, sampling_params):
+            out = super()._generate(s, sampling_params)
+            seen_in_flight.append(context.in_flight())  # still in flight while the backend answers
             return out
 
-    inner = Watched()
-    proxy = CancellableBackend(inner, "s1")
-    view = proxy.for_run(0, "p1")  # what a search makes of it: the tracking is shared
+    shared = Watched()
+    context = Runtimes(generator=shared, scorer=None, prompt=str).new_search(SearchConfig(), "p1")
     state = State()
-    view.generate(state, Params())
-    rids = [r["fields"]["rid"] for r in inner.requests]
+    bind_search(state, context)
+    shared.generate(state, Params())
+    rids = [r["fields"]["rid"] for r in shared.requests]
     assert len(rids) == 1 and decode_rid(rids[0]).problem_id.startswith("p1/"), "the lineage rid is sent"
     assert seen_in_flight == [rids], "tracked while in flight"
-    assert proxy.in_flight() == [] and proxy.wait_idle(0.0), "and no longer once answered"
-    assert proxy.get_model_name() == "scripted", "everything else falls through to the backend"
-    assert proxy.cancel() == [] and view.cancelled
+    assert context.in_flight() == [] and context.wait_idle(0.0), "and no longer once answered"
+    assert [r.completion_tokens for r in context.ledger.answered_requests()] == [
+        context.ledger.completion_tokens], "answered into the search's ledger"
+    assert context.cancel() == [] and context.cancelled
+    cancelled = State()
+    bind_search(cancelled, context)
     with pytest.raises(SearchCancelled):
-        view.generate(State(), Params())
-    assert len(inner.requests) == 1, "a cancelled search sends nothing"
+        shared.generate(cancelled, Params())
+    assert len(shared.requests) == 1, "a cancelled search sends nothing"
+    other = State()  # a state of no search goes through the same shared backend untouched
+    shared.generate(other, Params())
+    assert len(shared.requests) == 2 and context.ledger.requests == 1
 
 
 def test_replicas_count_in_the_core_split():
@@ -366,7 +390,7 @@ def test_closing_the_service_cancels_the_searches_in_flight():
     assert backend.entered.wait(timeout=300)
     closer = threading.Thread(target=service.close)
     closer.start()
-    wait_until(lambda: job.backend.cancelled)
+    wait_until(lambda: job.context.cancelled)
     backend.release.set()
     closer.join(timeout=60)
     assert not closer.is_alive() and service.snapshot()["cancelled"] == 1

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from sgl_tts.runtime.server import RuntimeConfig, http_json
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.search.api import SearchConfig
 
 pytestmark = pytest.mark.runtime

@@ -14,3 +14,14 @@ def test_the_environment_imports_this_checkout_from_anywhere(tmp_path):
                             "print(policies.__file__)"], cwd=tmp_path, capture_output=True, text=True, check=True)
     paths = [Path(line).resolve() for line in found.stdout.split()]
     assert [p.parent.parent for p in paths] == [REPO, REPO], f"run `make setup` here; found {paths}"
+
+
+def test_the_installed_console_script_is_the_one_pyproject_names():
+    """The set-up installs the checkout again when pyproject.toml changes, so a moved entry point (`sgl-tts`)
+    does not leave a stale script behind."""
+    import tomllib
+    from importlib.metadata import entry_points
+
+    wanted = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    installed = {entry.name: entry.value for entry in entry_points(group="console_scripts") if entry.name in wanted}
+    assert installed == wanted, "run `make setup` here"

@@ -1,9 +1,8 @@
-import argparse
-
 import numpy as np
 import pytest
 
-from sgl_tts.rsd import specdec
+from sgl_tts.cli import build_parser
+from sgl_tts.cli import plan as plan_cli
 from sgl_tts.rsd.specdec import (
     CONTRACTS,
     acceptance_probability,
@@ -165,9 +164,7 @@ def test_planner_rejects_bad_values():
 
 
 def _cli():
-    parser = argparse.ArgumentParser(prog="sgl-tts")
-    specdec.register_cli(parser.add_subparsers(dest="command", required=True))
-    return parser
+    return build_parser()
 
 
 def test_plan_spec_cli_prints_illustration(capsys):
@@ -183,14 +180,11 @@ def test_plan_spec_cli_prints_illustration(capsys):
     ]
 
 
-def test_plan_spec_parser_joins_an_existing_plan_command():
-    parser = argparse.ArgumentParser(prog="sgl-tts")
-    plan = parser.add_subparsers(dest="command").add_parser("plan")
-    plan_subparsers = plan.add_subparsers(dest="plan_command")
-    plan_subparsers.add_parser("memory")
-    specdec.add_plan_spec_parser(plan_subparsers)
+def test_plan_spec_sits_beside_plan_memory():
+    parser = _cli()
+    assert parser.parse_args("plan memory".split()).func is plan_cli.plan_memory_command
     args = parser.parse_args("plan spec --alpha 1 --k 3 --td 0 --tv 2 --th 0".split())
-    assert args.func is specdec.run_plan_spec
+    assert args.func is plan_cli.plan_spec_command
     assert plan_spec(args.alpha, args.k, args.td, args.tv, args.th, args.t1)[0].speed_ratio == pytest.approx(2.0)
 
 

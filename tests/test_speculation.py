@@ -24,7 +24,9 @@ from policies.speculative import TruncationSampler
 from sgl_tts.frontend.backend import SearchBackend
 from sgl_tts.fasttts.switches import FastTTSConfig, from_label
 from sgl_tts.search.programs import load_program
-from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.api import Path, Runtimes, SearchConfig
+from sgl_tts.search.context import SearchContext
+from sgl_tts.search.grading import extract_answer
 from sgl_tts.fasttts.speculation import (Branch, SpeculationClient, assign_head_starts, extension_factory,
                                          token_splitter, word_pieces)
 from sgl_tts.testing import EOS_ID, ScriptedModel, ScriptedScorer, _hash
@@ -114,8 +116,9 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
     def generate(self, s, sampling_params):
         assert sampling_params.stop == DELIMITER, "steps stop at the delimiter"
         began = time.perf_counter()
-        text, meta = self._run("standard", s.text_, sampling_params.max_new_tokens, self.request_fields(s)["rid"])
-        self.finished(s.text_, began, meta, text)
+        text, meta = self.sent(s, lambda: self._run("standard", s.text_, sampling_params.max_new_tokens,
+                                                     self.request_fields(s)["rid"]))
+        self.answered(s, s.text_, began, meta, text)
         return text, meta
 
     def commit_lazy_operations(self, s):
@@ -148,10 +151,10 @@ MODEL = TaggedModel(answer_depth=3, answer_chance=0.3, eos_chance=0.05)
 
 def run(fast, prompt=PROMPT, search=SEARCH, model=MODEL, client=None, program="beam_search", **backend_args):
     backend = TimedScriptedBackend(model, **backend_args)
-    if fast.speculative:
-        backend.extension_factory = extension_factory(fast, client or backend, seed=fast.seed)
     scorer = ScriptedScorer()
-    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: prompt)
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: prompt,
+                        extension_factory=extension_factory(fast, client or backend, seed=fast.seed)
+                        if fast.speculative else None)
     result = load_program(program)(PROBLEM, search, runtimes)
     return result, backend, scorer
 
@@ -304,3 +307,10 @@ def test_splitters_cut_at_token_boundaries_and_join_back():
     # A character made of several byte-level tokens is never cut: fewer pieces than tokens.
     assert "".join(split(text)) == text and split(text)[-1].endswith("ü")
     assert len(split(text)) < len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_speculation_refuses_to_expand_with_logprobs():
+    """Head starts come from requests without logprobs: a step's token confidences would miss their tokens."""
+    extension = extension_factory(EQUIVALENT_S, TimedScriptedBackend(MODEL))(SearchContext(SEARCH))
+    with pytest.raises(ValueError, match=r"speculative beam extension \(FastTTS S\) cannot return top logprobs"):
+        extension.expand([(Path(state=None), 2)], SEARCH, extension.search, extract_answer, logprobs=5)

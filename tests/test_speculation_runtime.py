@@ -45,9 +45,9 @@ def test_beam_search_with_speculation_on_a_real_runtime(tiny_search_runtimes, ti
     fast = from_label("P+S", engine_batch=64)
     client = HttpSpeculationClient(tiny_runtime, fast.engine_batch)
     assert 0 < client.idle_slots() <= 64, "the engine's load is read from /v1/loads"
-    generator = TTSEndpoint(tiny_runtime, extension_factory=extension_factory(fast, client, tokenizer))
-    runtimes = type(tiny_search_runtimes)(generator=generator, scorer=tiny_search_runtimes.scorer,
-                                          prompt=tiny_search_runtimes.prompt)
+    runtimes = type(tiny_search_runtimes)(generator=TTSEndpoint(tiny_runtime), scorer=tiny_search_runtimes.scorer,
+                                          prompt=tiny_search_runtimes.prompt,
+                                          extension_factory=extension_factory(fast, client, tokenizer))
     # The random-weight model often emits a space: a space delimiter gives short steps of irregular length,
     # so children finish early and speculation fills their slots.
     config = SearchConfig(n=8, beam_width=2, max_steps=4, max_step_tokens=12, max_tokens=48, step_delimiter=" ")

@@ -1,1 +1,1 @@
-"""The top layer: the session that wires runtimes, scorer and FastTTS together, the CLI, run reports."""
+"""The top of the library: the session that wires runtimes, scorer and FastTTS together, run reports."""

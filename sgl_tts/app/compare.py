@@ -1,6 +1,8 @@
 """`sgl-tts run --compare`: what the configured search buys, side by side in one run.
 
-Three arms on the same problems, after one another:
+Two references, then three arms, on the same problems, after one another:
+0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
+   search's temperature;
 1. the configured search (the CPU default: beam search with its verifier, FastTTS switches as configured);
 2. self-consistency (majority vote, no verifier) at matched generated tokens, on the same runtimes: it draws
    about as many whole solutions per problem as arm 1's tokens pay for (`samples_to_match`), and its vote
@@ -8,7 +10,9 @@ Three arms on the same problems, after one another:
    problem (`matched_vote`);
 3. the configured search with the FastTTS switches (P, M, S) turned off, on runtimes restarted for it.
 Each arm runs once: the goodput ratio of 3 against 1 is one run's, not a claim (`sgl-tts bench fasttts`
-repeats and interleaves arms to claim one).
+repeats and interleaves arms to claim one). Accuracy comes with its 95% Wilson interval, and every arm is
+compared with greedy on the same problems by McNemar's exact test (paired: only the problems one of the two
+solves and the other does not count).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
+from sgl_tts.measure.tables import Column, console_table
 from sgl_tts.search.grading import grade
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.selection import majority_vote
@@ -51,42 +57,69 @@ def matched_vote(result: SearchResult, budget: int) -> SearchResult:
 @dataclasses.dataclass(frozen=True)
 class ArmSummary:
     label: str
-    solved: int
-    problems: int
+    correct: tuple[bool, ...]  # per problem, in the problems' order
     tokens_per_problem: float
     goodput: float  # mean precise goodput, tok/s
     p50_latency_s: float
     samples: str = ""  # self-consistency: samples counted of drawn
+    generated_tokens: int = 0
 
     @classmethod
     def of(cls, label: str, pairs: Sequence[tuple[Any, SearchResult]], samples: str = "") -> "ArmSummary":
         results = [r for _, r in pairs]
-        return cls(label, sum(1 for p, r in pairs if p.gold is not None and grade(r.answer, p.gold)), len(pairs),
+        return cls(label, tuple(p.gold is not None and grade(r.answer, p.gold) for p, r in pairs),
                    statistics.fmean(r.generated_tokens for r in results),
                    statistics.fmean(r.precise_goodput for r in results),
-                   statistics.median(r.total_time_s for r in results), samples)
+                   statistics.median(r.total_time_s for r in results), samples,
+                   sum(r.generated_tokens for r in results))
+
+    @property
+    def solved(self) -> int:
+        return sum(self.correct)
+
+    @property
+    def problems(self) -> int:
+        return len(self.correct)
+
+    @property
+    def tokens_per_solved(self) -> float | None:
+        return self.generated_tokens / self.solved if self.solved else None
 
 
-def format_comparison(arms: Sequence[ArmSummary]) -> str:
-    labels = [arm.label + (f" ({arm.samples})" if arm.samples else "") for arm in arms]
-    width = max(len(label) for label in [*labels, "arm"])
-    header = f"{'arm':{width}s} {'solved':>7s} {'tokens/problem':>15s} {'goodput tok/s':>14s} {'p50 latency s':>14s}"
-    lines = [header, "-" * len(header)]
-    for label, arm in zip(labels, arms):
-        lines.append(f"{label:{width}s} {f'{arm.solved}/{arm.problems}':>7s} {arm.tokens_per_problem:15.0f} "
-                     f"{arm.goodput:14.2f} {arm.p50_latency_s:14.1f}")
-    return "\n".join(lines)
+def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None = None) -> str:
+    """One line per arm: solved with its 95% Wilson interval, tokens per problem and per solved problem,
+    goodput, p50 latency, and (with a `reference` arm, greedy) McNemar's exact p against it."""
+    columns = [Column("arm", align="<"), Column("solved", 7), Column("95% interval", 13), Column("tokens/problem", 15),
+               Column("tokens/solved", 14), Column("goodput tok/s", 14), Column("p50 latency s", 14)]
+    columns += [Column("p vs greedy", 12)] if reference else []
+    rows = []
+    for arm in arms:
+        low, high = wilson_interval(arm.solved, arm.problems)
+        row = [arm.label + (f" ({arm.samples})" if arm.samples else ""), f"{arm.solved}/{arm.problems}",
+               f"{low:.2f}-{high:.2f}", f"{arm.tokens_per_problem:.0f}",
+               f"{arm.tokens_per_solved:.0f}" if arm.tokens_per_solved is not None else "-",
+               f"{arm.goodput:.2f}", f"{arm.p50_latency_s:.1f}"]
+        if reference is not None:
+            row.append("-" if arm is reference else f"{mcnemar_exact(reference.correct, arm.correct).p_value:.3f}")
+        rows.append(row)
+    return console_table(columns, rows, rule=True)
 
 
 def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
                    log=print) -> list[ArmSummary]:
-    """Arms 2 and 3 after `searched`, arm 1's (problem, result) pairs from `session`; returns all three.
-    `session` is closed on return (arm 3 restarts its runtimes)."""
+    """The references and arms 2 and 3 around `searched`, arm 1's (problem, result) pairs from `session`;
+    returns them all, greedy first. `session` is closed on return (arm 3 restarts its runtimes)."""
     from sgl_tts.app.session import Session
 
     config = session.config
     search_label = f"{config.search.program} n={config.search.n}, {config.scorer.kind} verifier"
-    arms = [ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched)]
+    one = dataclasses.replace(config.search, program="self_consistency", n=1)
+    log("\ngreedy (one answer at temperature 0) and one sample, the references")
+    arms = [ArmSummary.of("greedy, one answer",
+                          list(session.solve_all(problems, search=lambda p: dataclasses.replace(one, temperature=0.0)))),
+            ArmSummary.of(f"one sample, temperature {one.temperature:g}",
+                          list(session.solve_all(problems, search=lambda p: one)))]
+    arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
     spent = {str(p.id): r for p, r in searched}
     sc_search = dataclasses.replace(config.search, program="self_consistency")
@@ -113,8 +146,9 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
 
 
 def print_comparison(arms: Sequence[ArmSummary]) -> None:
-    print("\nside by side (one run per arm)")
-    print(format_comparison(arms))
-    if len(arms) == 3 and arms[2].goodput > 0:
-        print(f"FastTTS on/off goodput ratio: {arms[0].goodput / arms[2].goodput:.2f}x "
+    print("\nside by side (one run per arm; p: McNemar's exact test against greedy on the same problems)")
+    print(format_comparison(arms, reference=arms[0]))
+    search, off = arms[2], arms[4] if len(arms) == 5 else None
+    if off is not None and off.goodput > 0:
+        print(f"FastTTS on/off goodput ratio: {search.goodput / off.goodput:.2f}x "
               f"(one run each; `sgl-tts bench fasttts` repeats the arms and claims only separated ranges)")

@@ -7,23 +7,25 @@ each with its own token budget. Then it solves problems with the configured prog
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
-from sgl_tts.config import find_config, load_yaml
+from sgl_tts.config import ConfigError, find_config, load_yaml
 from sgl_tts.fasttts.speculation import HttpSpeculationClient, extension_factory
 from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes
 from sgl_tts.search.records import SearchResult
-from sgl_tts.search.programs import load_program
-from sgl_tts.rsd.acceptance import RSDConfig
+from sgl_tts.search.programs import load_program, program_decoded_paths, program_runtimes, with_program_settings
 from sgl_tts.runtime.replicas import ReplicaSet
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
 from sgl_tts.search.api import Runtimes, SearchConfig, SearchError, fill_in_counts
+from sgl_tts.search.context import SearchContext
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # SGLang honours per-request sampling_seed only with it
 
@@ -43,32 +45,42 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     concurrency: int = 4  # problems searched at once (their beams share the runtimes' batches)
     log_dir: str | None = None
-    # RSD's target model: its own runtime, or "generator" to let the generator's runtime (the draft) serve it.
+    # A second model for programs that need one (RSD's target): its own runtime, or "generator" to let the
+    # generator's runtime serve it.
     target: RuntimeConfig | Literal["generator"] | None = None
-    rsd: RSDConfig = field(default_factory=RSDConfig)  # read by the rsd program
     fasttts: FastTTSConfig = field(default_factory=FastTTSConfig)  # switches P, M, S (sgl_tts.fasttts.switches)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        if self.search.program == "rsd":
-            if self.target is None:
-                raise ValueError("search.program 'rsd' needs 'target': a runtime config for the target model, "
-                                 "or 'generator' to let the generator's runtime serve as the target")
-            # RSD's step loop settings live in the rsd section; refuse them where they would be ignored.
-            defaults = SearchConfig()
-            for name in ("max_steps", "temperature", "top_p", "step_delimiter"):
-                if getattr(self.search, name) != getattr(defaults, name):
-                    raise ValueError(f"program 'rsd' reads {name} from the rsd section: "
-                                     f"set 'rsd.{name}' instead of 'search.{name}'")
 
 
 RUN_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # sgl_tts/configs: package data
 
+# What the run config must set for each runtime a program may need (sgl_tts.search.programs.RUNTIME_NAMES).
+RUNTIME_SECTIONS = {
+    "scorer": "the step scorer",
+    "target": "a runtime config for the target model, or 'generator' to let the generator's runtime serve as "
+              "the target",
+}
+
+
+def checked_program(config: RunConfig, where: str = "run config",
+                    settings_key: str = "search.settings") -> RunConfig:
+    """`config` with `search.settings` made its program's `Settings` (errors name `settings_key.<field>` and
+    `where`), after checking that `config` sets every runtime the program needs."""
+    search = with_program_settings(config.search, where, settings_key)
+    for name in program_runtimes(search.program):
+        if getattr(config, name) is None:
+            raise ConfigError(f"{where}: program {search.program!r} needs {name!r}: {RUNTIME_SECTIONS[name]}")
+    return dataclasses.replace(config, search=search)
+
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Load a run config from `path`, or, when no such relative path exists, the packaged config of that name."""
-    return load_yaml(RunConfig, find_config(path, RUN_CONFIGS))
+    """Load a run config from `path`, or, when no such relative path exists, the packaged config of that name;
+    its program's settings and runtimes are checked (`checked_program`)."""
+    path = find_config(path, RUN_CONFIGS)
+    return checked_program(load_yaml(RunConfig, path), str(path))
 
 
 def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
@@ -79,9 +91,8 @@ def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
         wanted["scorer"] = config.scorer.runtime
     if isinstance(config.target, RuntimeConfig):
         wanted["target"] = config.target
-    # One KV split of the scorer and target runtimes with the generator's. RSD decodes one path per problem,
-    # so its step holds `concurrency` paths.
-    paths = config.concurrency if config.search.program == "rsd" else None
+    # One KV split of the scorer and target runtimes with the generator's, for the paths one step decodes.
+    paths = program_decoded_paths(config.search.program, config.search, config.concurrency)
     settings = configure_runtimes(config.fasttts, config.search, wanted["generator"], wanted.get("scorer"),
                                   wanted.get("target"), paths)
     wanted["generator"] = settings.generator
@@ -98,10 +109,11 @@ class Session:
     def __init__(self, config: RunConfig, reuse: dict[str, Runtime] | None = None):
         """`reuse`: started runtimes (from `detach`) to keep where the new config wants the same settings;
         the others are stopped."""
-        self.config = config
+        self.config = config = checked_program(config)
         self._reuse = dict(reuse or {})
         self.program = load_program(config.search.program)
         self.runtimes: dict[str, Runtime] = {}
+        self.reused: list[str] = []  # the runtimes kept from `reuse`
         self.started_s = 0.0
         try:
             self._start()
@@ -122,6 +134,7 @@ class Session:
             previous = self._reuse.pop(name, None)
             if previous is not None and previous.config == runtime_config and previous.alive():
                 self.runtimes[name] = previous
+                self.reused.append(name)
                 continue
             if previous is not None:
                 previous.stop()
@@ -143,11 +156,11 @@ class Session:
         self.search_runtimes = Runtimes(
             generator=TTSEndpoint(
                 generator, standard_priority=fast.standard_priority if fast.speculative else None,
-                send_seed=DETERMINISTIC_FLAG in generator.config.extra_args,
-                extension_factory=extension_factory(fast, HttpSpeculationClient(generator, fast.engine_batch),
-                                                    tokenizer, fast.seed) if fast.speculative else None),
+                send_seed=DETERMINISTIC_FLAG in generator.config.extra_args),
             scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
+            extension_factory=extension_factory(fast, HttpSpeculationClient(generator, fast.engine_batch),
+                                                tokenizer, fast.seed) if fast.speculative else None,
         )
         target = self.runtimes.get("target", generator if self.config.target == "generator" else None)
         if target is not None:
@@ -155,17 +168,21 @@ class Session:
             target_tokenizer = (tokenizer if target.model_path == generator.model_path
                                 else AutoTokenizer.from_pretrained(target.model_path))
             self.search_runtimes.target = TTSEndpoint(target, send_seed=DETERMINISTIC_FLAG in target.config.extra_args)
-            self.search_runtimes.extras["target_prompt"] = lambda question: chat_prompt(target_tokenizer, question)
-        self.search_runtimes.extras["rsd"] = self.config.rsd
+            self.search_runtimes.target_prompt = lambda question: chat_prompt(target_tokenizer, question)
 
-    def solve(self, problem: Any, search: SearchConfig | None = None) -> SearchResult:
-        """One search with `search` (default: the config's), whose `program` it runs. Its runtimes are a per-run
-        view (`Runtimes.for_run`): every generator request it sends is counted, so a program that counts
+    def new_search(self, problem: Any, search: SearchConfig | None = None, **observers: Any) -> SearchContext:
+        """The context of one search of `problem` (`Runtimes.new_search`; `observers`, `scoring_observers`)."""
+        return self.search_runtimes.new_search(search or self.config.search, str(problem.id), **observers)
+
+    def solve(self, problem: Any, search: SearchConfig | None = None,
+              context: SearchContext | None = None) -> SearchResult:
+        """One search with `search` (default: the config's), whose `program` it runs, in `context` (default: a new
+        one). Every generator request it sends is counted in the context's ledger, so a program that counts
         nothing itself still reports the server's token counts."""
         search = search or self.config.search
         program = self.program if search.program == self.config.search.program else load_program(search.program)
-        runtimes = self.search_runtimes.for_run(search.seed, str(problem.id))
-        return fill_in_counts(program(problem, search, runtimes), runtimes.ledger)
+        context = context or self.new_search(problem, search)
+        return fill_in_counts(program(problem, search, self.search_runtimes, context), context.ledger)
 
     def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None,
                   search: Callable[[Any], SearchConfig] | None = None) -> Iterator[tuple[Any, SearchResult]]:
@@ -200,3 +217,42 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SessionPool:
+    """Started runtimes kept between sessions, at most `live` sets of them: `switch` gives a session that keeps
+    a set started for the same settings, else the runtimes it shares with the oldest set, which goes."""
+
+    def __init__(self, live: int = 1):
+        self.live = live
+        self.kept: OrderedDict[tuple, dict[str, Runtime]] = OrderedDict()
+
+    def switch(self, config: RunConfig) -> Session:
+        """A session for `config` on the kept runtimes it wants; the kept runtimes it does not want are stopped
+        once there is no room left for them."""
+        reuse = self.kept.pop(_settings_key(planned_runtimes(checked_program(config))[1]), None)
+        while reuse is None and self.kept and len(self.kept) >= self.live:
+            oldest = self.kept.popitem(last=False)[1]
+            if len(self.kept) >= self.live:
+                _stop(oldest)
+            else:
+                reuse = oldest  # Session keeps what it wants and stops the rest
+        return Session(config, reuse=reuse)
+
+    def give_back(self, session: Session) -> None:
+        """Keep `session`'s runtimes for a later `switch` instead of stopping them."""
+        runtimes = session.detach()
+        self.kept[_settings_key({name: runtime.config for name, runtime in runtimes.items()})] = runtimes
+
+    def close(self) -> None:
+        while self.kept:
+            _stop(self.kept.popitem()[1])
+
+
+def _settings_key(configs: dict[str, RuntimeConfig]) -> tuple:
+    return tuple(sorted((name, repr(config)) for name, config in configs.items()))
+
+
+def _stop(runtimes: dict[str, Runtime]) -> None:
+    for runtime in runtimes.values():
+        runtime.stop()

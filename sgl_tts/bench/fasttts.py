@@ -17,16 +17,17 @@ a runtime's radix cache is flushed before every cell, and a new runtime is warme
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
 import statistics
 import time
 import urllib.request
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
+
+from sgl_tts.measure.summary import median_min_max, median_range
+from sgl_tts.measure.tables import Column, console_table
 
 ARMS = ("baseline", "V", "P", "P+M", "P+M+S", "all")
 PROGRAMS = ("beam_search", "dvts", "dynamic_branching", "varying_granularity")
@@ -39,7 +40,7 @@ SERVER_COUNTERS = {"evicted_tokens": "sglang:evicted_tokens_total",
 
 
 @dataclasses.dataclass(frozen=True)
-class Arm:
+class FastTTSArm:
     """An ablation arm: the FastTTS switches (P, M, S) and V, verifier prefix reuse (incremental scoring)."""
 
     label: str
@@ -47,7 +48,7 @@ class Arm:
     verifier_reuse: bool
 
     @classmethod
-    def parse(cls, label: str) -> "Arm":
+    def parse(cls, label: str) -> "FastTTSArm":
         parts = ["V", "P", "M", "S"] if label == "all" else [] if label == "baseline" else label.split("+")
         if (label != "baseline" and not parts) or any(p not in ("V", "P", "M", "S") for p in parts) \
                 or len(set(parts)) != len(parts):
@@ -77,9 +78,9 @@ def measure(results: list[Any], verifier: tuple[int, int] = (0, 0), server: dict
             ) -> dict[str, Any]:
     """One cell's numbers: mean precise goodput, p50 latency, verifier share and cache hit, server counters.
     `verifier` is (input tokens, cached tokens) the verifier read during the cell."""
-    from sgl_tts.app.metrics import aggregate
+    from sgl_tts.measure.metrics import aggregate_rows
 
-    summary = aggregate(results)
+    summary = aggregate_rows(results)
     speculation: dict[str, int] = {}
     for result in results:
         for key, value in result.extra.get("speculation", {}).items():
@@ -100,15 +101,10 @@ def measure(results: list[Any], verifier: tuple[int, int] = (0, 0), server: dict
     }
 
 
-def spread(values: list[float]) -> tuple[float, float, float]:
-    """(median, min, max)."""
-    return statistics.median(values), min(values), max(values)
-
-
 def compare(arm: list[float], base: list[float], lower_is_better: bool) -> tuple[float, bool]:
     """(ratio of medians, whether the ranges are disjoint in the arm's favour)."""
-    arm_median, arm_low, arm_high = spread(arm)
-    base_median, base_low, base_high = spread(base)
+    arm_median, arm_low, arm_high = median_min_max(arm)
+    base_median, base_low, base_high = median_min_max(base)
     ratio = arm_median / base_median if base_median else float("nan")
     if len(arm) < 2 or len(base) < 2:  # one run has no range: nothing can be claimed
         return ratio, False
@@ -116,13 +112,15 @@ def compare(arm: list[float], base: list[float], lower_is_better: bool) -> tuple
     return ratio, separated
 
 
+TABLE_COLUMNS = (Column("program", 20, "<"), Column("n", 3), Column("arm", 7, "<"), Column("goodput tok/s", 20),
+                 Column("x base", 7), Column("p50 latency s", 20), Column("x base", 7), Column("ver share", 9),
+                 Column("ver hit", 7), Column("evicted", 8), Column("retract", 7))
+
+
 def format_table(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list[str], ns: list[int],
                  arms: list[str]) -> str:
     """Medians [min-max] per cell, with ratios of medians to the baseline; `*` where the ranges do not overlap."""
-    header = (f"{'program':<20s} {'n':>3s} {'arm':<7s} {'goodput tok/s':>20s} {'x base':>7s} "
-              f"{'p50 latency s':>20s} {'x base':>7s} {'ver share':>9s} {'ver hit':>7s} {'evicted':>8s} "
-              f"{'retract':>7s}")
-    lines = [header]
+    rows = []
     for program in programs:
         for n in ns:
             base = cells.get((program, n, "baseline"))
@@ -132,19 +130,18 @@ def format_table(cells: dict[tuple[str, int, str], list[dict[str, Any]]], progra
                     continue
                 goodput = [r["goodput"] for r in runs]
                 latency = [r["p50_latency_s"] for r in runs]
-                g_med, g_low, g_high = spread(goodput)
-                l_med, l_low, l_high = spread(latency)
                 g_ratio, g_sep = compare(goodput, [r["goodput"] for r in base], False) if base else (float("nan"), False)
                 l_ratio, l_sep = compare(latency, [r["p50_latency_s"] for r in base], True) if base else (float("nan"), False)
-                lines.append(
-                    f"{program:<20s} {n:3d} {arm:<7s} {g_med:7.3f} [{g_low:5.2f}-{g_high:5.2f}] "
-                    f"{g_ratio:5.2f}x{'*' if g_sep and arm != 'baseline' else ' '} "
-                    f"{l_med:7.1f} [{l_low:5.1f}-{l_high:5.1f}] {l_ratio:5.2f}x{'*' if l_sep and arm != 'baseline' else ' '} "
-                    f"{statistics.median(r['verifier_share'] for r in runs):9.2f} "
-                    f"{statistics.median(r['verifier_cache_hit'] for r in runs):7.2f} "
-                    f"{statistics.median(r['evicted_tokens'] for r in runs):8.0f} "
-                    f"{statistics.median(r['retracted'] for r in runs):7.0f}")
-    return "\n".join(lines)
+                rows.append([
+                    program, str(n), arm, median_range(goodput, "7.3f", "5.2f"),
+                    f"{g_ratio:5.2f}x{'*' if g_sep and arm != 'baseline' else ' '}",
+                    median_range(latency, "7.1f", "5.1f"),
+                    f"{l_ratio:5.2f}x{'*' if l_sep and arm != 'baseline' else ' '}",
+                    f"{statistics.median(r['verifier_share'] for r in runs):.2f}",
+                    f"{statistics.median(r['verifier_cache_hit'] for r in runs):.2f}",
+                    f"{statistics.median(r['evicted_tokens'] for r in runs):.0f}",
+                    f"{statistics.median(r['retracted'] for r in runs):.0f}"])
+    return console_table(TABLE_COLUMNS, rows)
 
 
 def plot(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list[str], ns: list[int],
@@ -166,7 +163,7 @@ def plot(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list
                 for i, n in enumerate(ns):
                     runs = cells.get((program, n, arm))
                     if runs:
-                        median, low, high = spread([r[metric] for r in runs])
+                        median, low, high = median_min_max([r[metric] for r in runs])
                         xs.append(i + (k - (len(arms) - 1) / 2) * width)
                         medians.append(median)
                         lows.append(median - low)
@@ -181,84 +178,80 @@ def plot(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list
     plt.close(fig)
 
 
-class SessionPool:
-    """Started runtimes by settings, so interleaved cells that want the same runtimes do not restart them."""
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """What `sgl-tts bench fasttts` runs; lists are comma-separated text, None takes the default (or `quick`'s)."""
 
-    def __init__(self, live: int):
-        self.live = live
-        self.pool: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
-
-    def session(self, config: Any) -> tuple[Any, bool]:
-        """A session for `config` and whether its runtimes were started for it."""
-        from sgl_tts.app.session import Session, planned_runtimes
-
-        key = tuple(sorted((name, repr(rc)) for name, rc in planned_runtimes(config)[1].items()))
-        reuse = self.pool.pop(key, None)
-        if reuse is None:
-            while len(self.pool) >= self.live:
-                for runtime in self.pool.popitem(last=False)[1].values():
-                    runtime.stop()
-        session = Session(config, reuse=reuse)
-        session.pool_key = key
-        return session, reuse is None
-
-    def give_back(self, session: Any) -> None:
-        self.pool[session.pool_key] = session.detach()
-
-    def close(self) -> None:
-        for runtimes in self.pool.values():
-            for runtime in runtimes.values():
-                runtime.stop()
-        self.pool.clear()
+    config: str = "cpu-default"  # run config (YAML path or packaged name): models, verifier
+    quick: bool = False  # QUICK's values for what is not given
+    programs: str | None = None  # default: PROGRAMS
+    ns: str | None = None  # beam counts n (default 8,16,32)
+    arms: str | None = None  # default: ARMS
+    problems: int | None = None  # bundled problems per cell (default 5)
+    repeats: int | None = None  # runs of every cell, interleaved (default 3)
+    concurrency: int | None = None  # searches at once (default 3)
+    beam_width: int = 4
+    max_steps: int = 3
+    max_step_tokens: int = 24
+    step_delimiter: str = "\\n"  # escapes allowed
+    kv_budget_mib: float = 24.0
+    hardware: str = "this-machine"
+    prompt_tokens: int = 80
+    max_speculative: int | None = None
+    engine_batch: int = 16
+    live_sessions: int = 2
+    seed: int = 0
+    log_dir: str | None = None
+    out: str | None = None  # folder for the JSON of every run and the plot
 
 
-def _base_config(args: argparse.Namespace) -> Any:
+def _base_config(options: BenchOptions) -> Any:
     from sgl_tts.app.session import load_run_config
 
-    config = load_run_config(args.config)
+    config = load_run_config(options.config)
     metrics = lambda rc: dataclasses.replace(rc, extra_args=[*rc.extra_args, "--enable-metrics"]) \
         if "--enable-metrics" not in rc.extra_args else rc
     scorer = config.scorer
     if scorer.runtime is not None:
         scorer = dataclasses.replace(scorer, runtime=metrics(scorer.runtime))
     search = dataclasses.replace(
-        config.search, beam_width=args.beam_width, max_steps=args.max_steps, max_step_tokens=args.max_step_tokens,
-        max_tokens=args.max_steps * args.max_step_tokens,
-        step_delimiter=args.step_delimiter.encode().decode("unicode_escape"), seed=args.seed)
+        config.search, beam_width=options.beam_width, max_steps=options.max_steps,
+        max_step_tokens=options.max_step_tokens, max_tokens=options.max_steps * options.max_step_tokens,
+        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
     return dataclasses.replace(config, generator=metrics(config.generator), scorer=scorer, search=search,
-                               concurrency=args.concurrency or 3, log_dir=args.log_dir)
+                               concurrency=options.concurrency or 3, log_dir=options.log_dir)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(options: BenchOptions) -> int:
+    from sgl_tts.app.session import SessionPool
     from sgl_tts.fasttts.switches import describe_settings, from_label
     from sgl_tts.problems import load_problems
 
-    if args.quick:
-        for key, value in QUICK.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-    programs = (args.programs or ",".join(PROGRAMS)).split(",")
-    ns = [int(n) for n in (args.ns or "8,16,32").split(",")]
-    arms = [Arm.parse(label) for label in (args.arms or ",".join(ARMS)).split(",")]
-    repeats = args.repeats or 3
-    base = _base_config(args)
+    if options.quick:
+        options = dataclasses.replace(options, **{key: value for key, value in QUICK.items()
+                                                  if getattr(options, key) is None})
+    programs = (options.programs or ",".join(PROGRAMS)).split(",")
+    ns = [int(n) for n in (options.ns or "8,16,32").split(",")]
+    arms = [FastTTSArm.parse(label) for label in (options.arms or ",".join(ARMS)).split(",")]
+    repeats = options.repeats or 3
+    base = _base_config(options)
     for arm in arms:
         from_label(arm.switches)
-    problems = load_problems(base.dataset.name, limit=args.problems or 5, offset=base.dataset.offset)
+    problems = load_problems(base.dataset.name, limit=options.problems or 5, offset=base.dataset.offset)
     print(f"bench fasttts: programs={programs} n={ns} arms={[a.label for a in arms]} repeats={repeats} "
           f"problems={len(problems)} concurrency={base.concurrency} model={base.generator.model} "
-          f"verifier={base.scorer.kind} beam_width={args.beam_width} steps<={args.max_steps}x{args.max_step_tokens} "
-          f"KV budget {args.kv_budget_mib} MiB", flush=True)
+          f"verifier={base.scorer.kind} beam_width={options.beam_width} "
+          f"steps<={options.max_steps}x{options.max_step_tokens} KV budget {options.kv_budget_mib} MiB", flush=True)
     cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    pool = SessionPool(args.live_sessions)
+    pool = SessionPool(options.live_sessions)
     began = time.monotonic()
     try:
         for repeat in range(repeats):
             order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
             for arm in order:
-                fast = from_label(arm.switches, kv_budget_mib=args.kv_budget_mib, hardware=args.hardware,
-                                  prompt_tokens=args.prompt_tokens, max_speculative=args.max_speculative,
-                                  engine_batch=args.engine_batch, seed=args.seed)
+                fast = from_label(arm.switches, kv_budget_mib=options.kv_budget_mib, hardware=options.hardware,
+                                  prompt_tokens=options.prompt_tokens, max_speculative=options.max_speculative,
+                                  engine_batch=options.engine_batch, seed=options.seed)
                 for program in programs:
                     for n in ns:
                         search = dataclasses.replace(base.search, program=program, n=n)
@@ -277,11 +270,11 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"\nFastTTS ablation, {repeats} interleaved repeats per cell ({time.monotonic() - began:.0f} s in all); "
           f"median [min-max]; * = ranges do not overlap the baseline's")
     print(format_table(cells, programs, ns, labels))
-    if args.out:
-        out = Path(args.out)
+    if options.out:
+        out = Path(options.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench-fasttts.json").write_text(json.dumps(
-            {"args": {k: v for k, v in vars(args).items() if k != "func"},
+            {"args": dataclasses.asdict(options),
              "cells": [{"program": p, "n": n, "arm": a, "runs": runs} for (p, n, a), runs in cells.items()]},
             indent=1, default=str))
         plot(cells, programs, ns, labels, out / "bench-fasttts.png")
@@ -289,11 +282,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_cell(pool: SessionPool, config: Any, problems: list[Any], describe: Any) -> dict[str, Any]:
-    """One (program, n, arm) run over the problems, `config.concurrency` at a time, on flushed caches."""
-    session, started = pool.session(config)
+def run_cell(pool: Any, config: Any, problems: list[Any], describe: Any) -> dict[str, Any]:
+    """One (program, n, arm) run over the problems, `config.concurrency` at a time, on flushed caches, with a
+    session from `pool` (`sgl_tts.app.session.SessionPool`)."""
+    session = pool.switch(config)
     try:
-        if started:
+        if len(session.reused) < len(session.runtimes):
             print(f"  runtimes started: {describe(session.fasttts)}", flush=True)
             session.solve(problems[0], dataclasses.replace(config.search, n=2, max_steps=1))  # warm-up
         flush_caches(session.runtimes)
@@ -308,36 +302,3 @@ def run_cell(pool: SessionPool, config: Any, problems: list[Any], describe: Any)
     finally:
         pool.give_back(session)
     return measure(results, verifier, {k: after_server[k] - before_server[k] for k in SERVER_COUNTERS})
-
-
-def add_bench_fasttts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    parser = bench_subparsers.add_parser("fasttts", help="FastTTS ablation with repeats: baseline vs V, P, P+M, "
-                                                         "P+M+S, all (Fig. 16)")
-    parser.add_argument("--config", default="cpu-default",
-                        help="run config (YAML path or packaged name): models, verifier")
-    parser.add_argument("--quick", action="store_true",
-                        help="beam search, n=8, baseline vs all, 3 problems, 3 repeats (about 10 minutes here)")
-    parser.add_argument("--programs", default=None, help=f"comma-separated (default {','.join(PROGRAMS)})")
-    parser.add_argument("--ns", default=None, help="comma-separated beam counts n (default 8,16,32)")
-    parser.add_argument("--arms", default=None, help=f"comma-separated arms (default {','.join(ARMS)})")
-    parser.add_argument("--problems", type=int, default=None, help="bundled problems per cell (default 5)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs of every cell, interleaved (default 3)")
-    parser.add_argument("--concurrency", type=int, default=None, help="searches at once (default 3)")
-    parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam (B)")
-    parser.add_argument("--max-steps", type=int, default=3)
-    parser.add_argument("--max-step-tokens", type=int, default=24)
-    parser.add_argument("--step-delimiter", default="\\n",
-                        help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
-    parser.add_argument("--kv-budget-mib", type=float, default=24.0,
-                        help="KV memory shared by generator and verifier (small enough to force evictions)")
-    parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
-    parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")
-    parser.add_argument("--max-speculative", type=int, default=None, help="cap on one search's speculative requests")
-    parser.add_argument("--engine-batch", type=int, default=16,
-                        help="speculate only while the generator runs fewer requests than this")
-    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
-    parser.add_argument("--out", default=None, help="folder for the JSON of every run and the Fig. 16 style plot")
-    parser.set_defaults(func=run_bench)
-    return parser

@@ -12,27 +12,23 @@ the first arm reports the fraction of prompt tokens served from the radix cache.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import re
 import shlex
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
+from sgl_tts.measure.summary import median_range
+from sgl_tts.measure.tables import Column, console_table
 from sgl_tts.runtime.server import http_json
 
 HF_ARM = "hf"
 
 
-_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-
-
 @dataclass(frozen=True)
-class Arm:
+class RuntimeArm:
     """One SGLang runtime setting: a name, environment variables, and launch_server arguments added to the CPU
     defaults (later flags override earlier ones)."""
 
@@ -43,23 +39,6 @@ class Arm:
     def describe(self) -> str:
         words = [f"{key}={value}" for key, value in self.env] + list(self.server_args)
         return shlex.join(words) or "(CPU defaults)"
-
-
-def parse_arm(text: str) -> Arm:
-    """`NAME=ARGS`: ARGS split like a shell line, leading VAR=value words as environment (may be empty: the
-    defaults)."""
-    name, sep, args = text.partition("=")
-    name = name.strip()
-    if not sep or name == HF_ARM or not re.fullmatch(r"[\w.+-]+", name):
-        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME=ARGS with a NAME (letters, digits, ._+-) "
-                                         f"other than {HF_ARM!r}, e.g. 'steps4=--num-continuous-decode-steps 4' "
-                                         f"or 'default='")
-    words = shlex.split(args)
-    env = []
-    while words and _ENV_WORD.match(words[0]):
-        key, _, value = words.pop(0).partition("=")
-        env.append((key, value))
-    return Arm(name, tuple(words), tuple(env))
 
 
 def _prompts(tokenizer, count: int) -> list[str]:
@@ -140,11 +119,6 @@ def interleaved(measures: dict[str, Callable[[int], float]], parallel: list[int]
     return samples
 
 
-def spread(values: list[float]) -> str:
-    """'median [min-max]'."""
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
 def summary_rows(samples: dict[tuple[str, int], list[float]], reference: str) -> list[tuple[int, str, str, str]]:
     """(parallel, arm, tok/s median [min-max], ratio to `reference`: median [min-max] of per-round ratios)."""
     rows = []
@@ -153,10 +127,18 @@ def summary_rows(samples: dict[tuple[str, int], list[float]], reference: str) ->
         if ref is None or arm == reference:
             ratio = "-"
         else:
-            ratios = [a / b for a, b in zip(values, ref)]
-            ratio = f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
-        rows.append((p, arm, spread(values), ratio))
+            ratio = median_range([a / b for a, b in zip(values, ref)], ".2f", suffix="x")
+        rows.append((p, arm, median_range(values), ratio))
     return sorted(rows, key=lambda row: row[0])
+
+
+TABLE_COLUMNS = (Column("parallel", 8), Column("arm", 10), Column("tok/s median [min-max]", 24),
+                 Column("vs hf: median [min-max]", 26))
+
+
+def format_table(samples: dict[tuple[str, int], list[float]], reference: str) -> str:
+    return console_table(TABLE_COLUMNS, [[str(p), arm, rate, ratio] for p, arm, rate, ratio
+                                         in summary_rows(samples, reference)])
 
 
 def _load() -> str:
@@ -164,20 +146,23 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Sequence[int] = (1, 16, 64),
+              repeats: int = 3, arms: Sequence[RuntimeArm] | None = None, threads: int | None = None,
+              max_total_tokens: int = 16384) -> int:
+    """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), measure tokens/s
+    against HF generate at each parallel request count, `repeats` interleaved rounds; print the table."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeStartError
 
-    parallel = [int(p) for p in args.parallel.split(",")]
-    arms = args.arm or [Arm("default", ())]
+    parallel = list(parallel)
+    arms = list(arms or [RuntimeArm("default", ())])
     if len({arm.name for arm in arms}) != len(arms):
         raise SystemExit(f"bench runtime: arm names must differ, got {[arm.name for arm in arms]}")
-    base = RuntimeConfig(model=args.model, device="cpu", cpu_threads=args.threads,
-                         max_total_tokens=args.max_total_tokens)
-    print(f"bench runtime: model={args.model} new_tokens={args.new_tokens} parallel={parallel} "
-          f"repeats={args.repeats} arms={[arm.name for arm in arms]} + {HF_ARM}; {_load()}", flush=True)
+    base = RuntimeConfig(model=model, device="cpu", cpu_threads=threads, max_total_tokens=max_total_tokens)
+    print(f"bench runtime: model={model} new_tokens={new_tokens} parallel={parallel} "
+          f"repeats={repeats} arms={[arm.name for arm in arms]} + {HF_ARM}; {_load()}", flush=True)
     runtimes: dict[str, Runtime] = {}
     try:
         for arm in arms:  # start every process first, then wait: start-ups overlap
@@ -196,44 +181,27 @@ def run_bench(args: argparse.Namespace) -> int:
         first = runtimes[arms[0].name]
         tokenizer = AutoTokenizer.from_pretrained(first.model_path)
         prompts = _prompts(tokenizer, max(parallel))
-        model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=torch.float32)
-        model.eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=torch.float32)
+        hf_model.eval()
         measures: dict[str, Callable[[int], float]] = {}
         for name, runtime in runtimes.items():
             sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
-            measures[name] = lambda p, url=runtime.url: sglang_tokens_per_s(url, prompts[:p], args.new_tokens)
-        hf_tokens_per_s(model, tokenizer, prompts[:1], 4)  # warm-up
-        measures[HF_ARM] = lambda p: hf_tokens_per_s(model, tokenizer, prompts[:p], args.new_tokens)
+            measures[name] = lambda p, url=runtime.url: sglang_tokens_per_s(url, prompts[:p], new_tokens)
+        hf_tokens_per_s(hf_model, tokenizer, prompts[:1], 4)  # warm-up
+        measures[HF_ARM] = lambda p: hf_tokens_per_s(hf_model, tokenizer, prompts[:p], new_tokens)
 
         def show(round_index: int, arm: str, p: int, value: float) -> None:
             print(f"  round {round_index + 1} {arm:>10s} x{p}: {value:.1f} tok/s", flush=True)
 
-        samples = interleaved(measures, parallel, args.repeats, show)
+        samples = interleaved(measures, parallel, repeats, show)
         cache_fraction = fork_cache_fraction(first, prompts[0])
     finally:
         for runtime in runtimes.values():
             runtime.stop()
     print()
-    print(f"{'parallel':>8s} {'arm':>10s} {'tok/s median [min-max]':>24s} {'vs hf: median [min-max]':>26s}")
-    for p, arm, rate, ratio in summary_rows(samples, HF_ARM):
-        print(f"{p:8d} {arm:>10s} {rate:>24s} {ratio:>26s}")
+    print(format_table(samples, HF_ARM))
     for arm in arms:
         print(f"  {arm.name}: {arm.describe()}")
     print(f"fork of 16 on {arms[0].name}: {cache_fraction:.0%} of the branches' prompt tokens served from the "
           f"radix cache; {_load()}")
     return 0
-
-
-def add_bench_runtime_parser(bench_subparsers) -> None:
-    parser = bench_subparsers.add_parser("runtime", help="SGLang CPU runtime settings vs HF generate (tokens/s ratios)")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--parallel", default="1,16,64", help="comma-separated request counts")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; every arm runs once per round, interleaved")
-    parser.add_argument("--arm", type=parse_arm, action="append",
-                        help="NAME=ARGS: an SGLang arm with extra launch_server arguments (repeatable; "
-                             "default: one arm 'default' with the CPU defaults)")
-    parser.add_argument("--threads", type=int, help="torch threads in each SGLang scheduler process")
-    parser.add_argument("--max-total-tokens", type=int, default=16384,
-                        help="KV tokens of each SGLang arm (they run side by side in host memory)")
-    parser.set_defaults(func=run_bench)

@@ -10,12 +10,14 @@ throughput's ratio to the one-replica sequential baseline.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
+
+from sgl_tts.measure.summary import median_range
+from sgl_tts.measure.tables import Column, console_table
 
 ARMS = ("sequential", "concurrent")
 
@@ -25,7 +27,7 @@ def run_arm(base_url: str, program: str, questions: list[str], clients: int, api
     """Send one chat completion per question, `clients` at a time; requests/s, tokens/s, latencies, errors."""
     import openai
 
-    from sgl_tts.app.metrics import percentile
+    from sgl_tts.measure.metrics import percentile
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600)
 
@@ -53,66 +55,57 @@ def run_arm(base_url: str, program: str, questions: list[str], clients: int, api
     }
 
 
-def median_range(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+TABLE_COLUMNS = (Column("replicas", 8), Column("arm", 10, "<"), Column("requests/s", 22), Column("tokens/s", 24),
+                 Column("p50 s", 20), Column("p99 s", 20), Column("errors", 6), Column("ratio", 6))
 
 
 def format_table(rows: dict[tuple[int, str], list[dict[str, Any]]]) -> str:
     """One line per (replicas, arm): medians with min-max over repeats; ratios to 1 replica, sequential."""
     baseline = statistics.median(r["requests_per_s"] for r in rows[(min(r for r, _ in rows), "sequential")])
-    header = (f"{'replicas':>8} {'arm':<10} {'requests/s':>22} {'tokens/s':>24} {'p50 s':>20} {'p99 s':>20} "
-              f"{'errors':>6} {'ratio':>6}")
-    lines = [header]
-    for (replicas, arm), runs in sorted(rows.items(), key=lambda item: (item[0][0], ARMS.index(item[0][1]))):
-        requests = [r["requests_per_s"] for r in runs]
-        lines.append(
-            f"{replicas:>8} {arm:<10} {median_range(requests, 3):>22} "
-            f"{median_range([r['tokens_per_s'] for r in runs], 1):>24} "
-            f"{median_range([r['p50_s'] for r in runs]):>20} {median_range([r['p99_s'] for r in runs]):>20} "
-            f"{sum(r['errors'] for r in runs):>6} {statistics.median(requests) / baseline:>5.2f}x")
-    return "\n".join(lines)
+
+    def spread(runs: list[dict[str, Any]], key: str, digits: int = 2) -> str:
+        return median_range([r[key] for r in runs], f".{digits}f", brackets="()")
+
+    cells = [[str(replicas), arm, spread(runs, "requests_per_s", 3), spread(runs, "tokens_per_s", 1),
+              spread(runs, "p50_s"), spread(runs, "p99_s"), str(sum(r["errors"] for r in runs)),
+              f"{statistics.median(r['requests_per_s'] for r in runs) / baseline:5.2f}x"]
+             for (replicas, arm), runs in sorted(rows.items(), key=lambda item: (item[0][0], ARMS.index(item[0][1])))]
+    return console_table(TABLE_COLUMNS, cells)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(*, config: str = "configs/serve-tiny.yaml", program: str | None = None, clients: int = 8,
+              requests: int = 2, replicas: Sequence[int] = (1, 2), repeats: int = 3) -> int:
+    """For each generator replica count, start the run config's runtimes and the HTTP server and send
+    `clients` x `requests` chat completions one at a time and concurrently, `repeats` times; print the table.
+    `program`: the search program (default: the config's)."""
     from sgl_tts.app.session import Session, load_run_config
     from sgl_tts.problems import load_problems
     from sgl_tts.serve.app import create_app
     from sgl_tts.serve.main import HTTPServer, session_service
 
-    config = load_run_config(args.config)
-    program = args.program or config.search.program
+    config_path = config
+    config = load_run_config(config_path)
+    program = program or config.search.program
     problems = list(load_problems(config.dataset.name))
-    count = args.clients * args.requests
+    count = clients * requests
     questions = [problems[i % len(problems)].question for i in range(count)]
     rows: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for replicas in args.replicas:
-        run_config = dataclasses.replace(config, generator=dataclasses.replace(config.generator, replicas=replicas),
-                                         concurrency=max(config.concurrency, args.clients))
+    for replica_count in replicas:
+        generator = dataclasses.replace(config.generator, replicas=replica_count)
+        run_config = dataclasses.replace(config, generator=generator, concurrency=max(config.concurrency, clients))
         with Session(run_config) as session:
             service = session_service(session)
-            print(f"replicas={replicas}: runtimes ready in {session.started_s:.0f} s", flush=True)
+            print(f"replicas={replica_count}: runtimes ready in {session.started_s:.0f} s", flush=True)
             with HTTPServer(create_app(service)) as http:
                 run_arm(http.url + "/v1", program, questions[:1], 1)  # warm-up, not counted
-                for repeat in range(args.repeats):
+                for repeat in range(repeats):
                     for arm in ARMS:
-                        clients = 1 if arm == "sequential" else args.clients
-                        row = run_arm(http.url + "/v1", program, questions, clients)
-                        rows.setdefault((replicas, arm), []).append(row)
+                        row = run_arm(http.url + "/v1", program, questions, 1 if arm == "sequential" else clients)
+                        rows.setdefault((replica_count, arm), []).append(row)
                         print(f"  repeat {repeat + 1} {arm}: {row['requests_per_s']:.3f} req/s, "
                               f"{row['tokens_per_s']:.1f} tok/s, errors {row['errors']}", flush=True)
             service.close()
-    print(f"\nsgl-tts bench serve: {args.config}, program {program}, {args.clients} clients x {args.requests} "
-          f"requests, {args.repeats} repeats (median, min-max)")
+    print(f"\nsgl-tts bench serve: {config_path}, program {program}, {clients} clients x {requests} "
+          f"requests, {repeats} repeats (median, min-max)")
     print(format_table(rows))
     return 0
-
-
-def add_bench_serve_parser(bench_commands: argparse._SubParsersAction) -> None:
-    parser = bench_commands.add_parser("serve", help="concurrent clients against `sgl-tts serve`, 1 vs 2 replicas")
-    parser.add_argument("--config", default="configs/serve-tiny.yaml", help="run config (YAML)")
-    parser.add_argument("--program", help="search program (default: the config's)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (C)")
-    parser.add_argument("--requests", type=int, default=2, help="requests per client (R)")
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="generator replica counts")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of each arm (interleaved)")
-    parser.set_defaults(func=run_bench)

@@ -1,7 +1,7 @@
 """Speculative beam extension beneath the search API (FastTTS §4.1, Algorithm 1).
 
-Any program that grows paths with `sgl_tts.search.expand` gets this when S is on: the run's backend
-carries a `SpeculativeExtension` (`SearchBackend.extension`) and `expand` hands it the iteration.
+Any program that grows paths with `sgl_tts.search.expand` gets this when S is on: the search
+has a `SpeculativeExtension` (`SearchContext.extension`) and `expand` hands it the iteration.
 One `expand` with S on:
 1. Every parent is forked into its copies. A copy may start with a head start: speculative text its parent
    generated during the previous iteration. The original copy keeps all of it, duplicates keep a truncated
@@ -40,7 +40,8 @@ from sgl_tts.fasttts.switches import FastTTSConfig
 from sgl_tts.frontend.lineage import node_of
 from sgl_tts.frontend.sglang_internals import generation_done, wait_meta
 from sgl_tts.scoring.base import aggregate
-from sgl_tts.search.api import Path, SearchConfig, SearchTracker, append_step, finish_reason_of
+from sgl_tts.search.api import Path, SearchConfig, append_step, finish_reason_of
+from sgl_tts.search.context import SearchContext
 
 logger = logging.getLogger(__name__)
 
@@ -236,9 +237,9 @@ class SpeculativeExtension:
     """One search's speculative beam extension (see the module docstring); made per run by
     `extension_factory`, so branches never cross searches."""
 
-    def __init__(self, backend: Any, fast: FastTTSConfig, client: SpeculationClient,
+    def __init__(self, search: Any, fast: FastTTSConfig, client: SpeculationClient,
                  split_tokens: Callable[[str], list[str]] = None, seed: int = 0, poll_s: float = 0.005):
-        self.backend = backend
+        self.search = search  # the search's context (sgl_tts.search.context): its label and ledger
         self.fast = fast
         self.client = client
         self.split_tokens = split_tokens or word_pieces
@@ -247,8 +248,13 @@ class SpeculativeExtension:
         self.branches: dict[int, list[Branch]] = {}  # id(child) -> its branches, from the last expand
         self.stats = SpeculationStats()
 
-    def expand(self, parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
-               extract_answer: Callable[[str], str | None]) -> list[Path]:
+    def expand(self, parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
+               extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
+        if logprobs:
+            # A head start's tokens come from a speculative request (or none, for a LookAhead step) that asked
+            # for no logprobs, so a child's token confidences would silently miss them.
+            raise ValueError(f"the speculative beam extension (FastTTS S) cannot return top logprobs (asked for "
+                             f"{logprobs} per token): switch S off for a program that expands with logprobs")
         slots = [(index, copy) for index, (_, count) in enumerate(parents) for copy in range(count)]
         scores = [aggregate(parent.step_scores, config.aggregation) for parent, _ in parents]
         selector = SpeculativeSelector({slot: scores[index] for slot, (index, _) in enumerate(slots)},
@@ -278,7 +284,7 @@ class SpeculativeExtension:
         return children
 
     def _launch_standard(self, state: _Round, parents: Sequence[tuple[Path, int]], config: SearchConfig,
-                         tracker: SearchTracker, extract_answer: Callable[[str], str | None]) -> None:
+                         tracker: SearchContext, extract_answer: Callable[[str], str | None]) -> None:
         """Fork every parent into its copies with their head starts; generate where a step is left."""
         slot = 0
         for parent_index, (parent, count) in enumerate(parents):
@@ -304,7 +310,7 @@ class SpeculativeExtension:
 
     @staticmethod
     def _child(parent: Path, parent_index: int, fork: Any, text: str, meta: dict[str, Any], config: SearchConfig,
-               tracker: SearchTracker, extract_answer: Callable[[str], str | None]) -> Path:
+               tracker: SearchContext, extract_answer: Callable[[str], str | None]) -> Path:
         child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=parent_index)
         append_step(child, text, meta, config, tracker, extract_answer)
@@ -316,7 +322,7 @@ class SpeculativeExtension:
         if child.active and step_budget(child, config) > 0:
             state.finished.append(slot)
 
-    def _collect_standard(self, state: _Round, config: SearchConfig, tracker: SearchTracker,
+    def _collect_standard(self, state: _Round, config: SearchConfig, tracker: SearchContext,
                           extract_answer: Callable[[str], str | None]) -> None:
         for slot in [s for s, p in state.pending.items() if generation_done(p.fork, "step")]:
             pending = state.pending.pop(slot)
@@ -344,7 +350,7 @@ class SpeculativeExtension:
         for choice in state.selector.select_speculative(state.finished, free, state.launched):
             slot = choice.beam_id
             child = state.children[slot]
-            tag = node_of(child.state, self.backend.run_label).speculative_tag(choice.bin_index)
+            tag = node_of(child.state, self.search.label).speculative_tag(choice.bin_index)
             fields = {"rid": encode_rid(tag), "priority": self.fast.speculative_priority}
             state.launched[slot] += 1
             sampling = {"max_new_tokens": step_budget(child, config), "stop": [config.step_delimiter],
@@ -377,7 +383,7 @@ class SpeculativeExtension:
             logger.warning("speculative request failed: %s", exc)
             self.stats.failed += 1
             return None
-        self.backend.record(meta, speculative=True)
+        self.search.ledger.record(meta, speculative=True)
         reason = meta.get("finish_reason") or {}
         if isinstance(reason, dict) and reason.get("type") == "abort":
             ended = "abort"
@@ -416,12 +422,12 @@ def step_budget(path: Path, config: SearchConfig) -> int:
 
 def extension_factory(fast: FastTTSConfig, client: SpeculationClient, tokenizer: Any = None,
                       seed: int = 0) -> Callable[[Any], SpeculativeExtension]:
-    """What a backend calls per run (`SearchBackend.for_run`) to get that run's extension. The truncation
-    sampler is seeded with the run's search seed combined with `seed` (fasttts.seed)."""
+    """What a new search calls (`Runtimes.new_search`) to get its extension. The truncation sampler is seeded
+    with the search's seed combined with `seed` (fasttts.seed)."""
     split = token_splitter(tokenizer) if tokenizer is not None else word_pieces
 
-    def make(backend: Any) -> SpeculativeExtension:
-        run_seed = seed if backend.seed is None else seed * 1_000_003 + backend.seed
-        return SpeculativeExtension(backend, fast, client, split, run_seed)
+    def make(search: Any) -> SpeculativeExtension:
+        run_seed = seed if search.seed is None else seed * 1_000_003 + search.seed
+        return SpeculativeExtension(search, fast, client, split, run_seed)
 
     return make

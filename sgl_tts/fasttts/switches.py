@@ -3,7 +3,8 @@
 - P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
   (plugin env `SGL_TTS_POLICY=prefix`), reading the lineage tag the backend puts on every request.
 - M `memory_plan`: the KV budget is split between the co-located runtimes (generator, verifier and RSD's
-  target) by the roofline planner (`sgl_tts.runtime.memory_plan.plan_memory`, §4.3) instead of equally.
+  target) by the roofline planner (`sgl_tts.runtime.memory_plan.split_kv` / `plan_memory`, §4.3) instead of
+  equally.
 - S `speculative`: speculative beam extension (`sgl_tts.fasttts.speculation`, §4.1); the generator runs with
   priority scheduling so that standard requests preempt speculative ones.
 All off is the baseline: FCFS, no speculation, a static equal split of the KV budget (50/50 without a target).
@@ -19,20 +20,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from policies import POLICIES
 from policies.plugin import ENV_POLICY
-from sgl_tts.runtime.hardware import GIB, KNOWN_HARDWARE, Hardware, plan_hardware
-from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, MemoryPlan, kv_budget, plan_memory,
-                                         start_order_safe_fractions)
-from sgl_tts.runtime.roofline import BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, ModelSpec, Workload, load_model_spec
 from sgl_tts.config import ConfigError
+from sgl_tts.runtime.hardware import GIB, KNOWN_HARDWARE
+from sgl_tts.runtime.memory_plan import KVSplitError, MemoryPlan, shared_kv_budget, split_kv
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import SearchConfig
 
 logger = logging.getLogger(__name__)
 
-MIB = 2**20
 PRIORITY_FLAG = "--enable-priority-scheduling"
 PREEMPTION_THRESHOLD = 10  # SGLang's default --priority-scheduling-preemption-threshold
 
@@ -146,30 +145,7 @@ class RuntimeSettings:
     budget_source: str = ""
 
 
-def model_spec_for(config: RuntimeConfig) -> ModelSpec:
-    """The roofline's view of a runtime's model, in the dtype the runtime will use (fp32 on CPU)."""
-    from sgl_tts.runtime.models import resolve_model
-
-    if config.dtype != "auto":
-        dtype = config.dtype if config.dtype in DTYPE_BYTES else None
-    else:
-        dtype = "float32" if config.device == "cpu" else None
-    known = config.model in BUILTIN_CONFIGS or config.model in HUB_IDS
-    source = config.model if known else resolve_model(config.model)
-    return load_model_spec(source, dtype)
-
-
-def longest_request_tokens(fast: FastTTSConfig, search: SearchConfig) -> int:
-    """Tokens of the longest request any runtime must hold: a whole path plus a LookAhead step."""
-    return fast.prompt_tokens + search.max_tokens + search.max_step_tokens
-
-
-def plan_workload(fast: FastTTSConfig, search: SearchConfig, paths: int | None = None,
-                  with_target: bool = False) -> Workload:
-    """One search step for the roofline: `paths` (default n) beams whose context averages the prompt plus half
-    a path; with a target, `target_share` of the steps are rewritten by it."""
-    return Workload(paths or search.n, fast.prompt_tokens + search.max_tokens // 2, search.max_step_tokens,
-                    fast.target_share if with_target else 0.0)
+_SETTING_OF = {"runtimes": "fasttts", "hardware": "fasttts.hardware", "budget_mib": "fasttts.kv_budget_mib"}
 
 
 def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: RuntimeConfig,
@@ -179,9 +155,10 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
 
     `verifier` is the scorer's own runtime, or None when the scorer reads from the generator's runtime (which
     then holds the verifier's share too); `target` is RSD's target runtime; `paths` the sequences decoded at
-    once (default search.n; RSD: the problems at once). Budgets in tokens follow each model's KV bytes per
-    token; no runtime gets less than the longest request (`longest_request_tokens`). On cuda every runtime
-    whose budget is set also gets a start-order-safe `mem_fraction_static` (sgl_tts.runtime.memory_plan).
+    once (default search.n; RSD: the problems at once). The split is `sgl_tts.runtime.memory_plan.split_kv`'s:
+    budgets in tokens follow each model's KV bytes per token, no runtime gets less than the longest request
+    (prompt_tokens + max_tokens + max_step_tokens), and on cuda every runtime gets a start-order-safe
+    `mem_fraction_static`. Without M and without `kv_budget_mib` the runtimes keep their configured budgets.
     """
     env = {**generator.env, ENV_POLICY: fast.policy}
     args = list(generator.extra_args)
@@ -193,90 +170,25 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
             if flag not in args:
                 args += [flag, *value]
     generator = dataclasses.replace(generator, env=env, extra_args=args)
-    runtimes = {"generator": generator, "verifier": verifier, "target": target}
-    runtimes = {role: config for role, config in runtimes.items() if config is not None}
     if fast.kv_budget_mib is None and not fast.memory_plan:
         return RuntimeSettings(generator, verifier, "as configured", target=target)
 
-    devices = {config.device for config in runtimes.values()}
-    if len(devices) > 1:
-        raise ConfigError(f"fasttts: the KV split needs all runtimes on one device, got "
-                          + ", ".join(f"{role} on {config.device}" for role, config in runtimes.items()))
-    device = devices.pop()
-    specs = {role: model_spec_for(config) for role, config in runtimes.items()}
-    floor = longest_request_tokens(fast, search)
-    hardware: Hardware | None = None
-    if fast.memory_plan or device == "cuda":
-        try:
-            hardware = plan_hardware(device, fast.hardware)
-        except (KeyError, ValueError) as exc:
-            raise ConfigError(f"fasttts.hardware: {exc.args[0]}") from None
-
-    budget, source = _kv_budget(fast, runtimes, specs, hardware)
-    plan = None
-    if fast.memory_plan:
-        # The scorer on the generator's runtime: plan a verifier of the generator's model, the runtime holds both.
-        ver_spec = specs.get("verifier", specs["generator"])
-        work = plan_workload(fast, search, paths, with_target=target is not None)
-        try:
-            plan = plan_memory(specs["generator"], ver_spec, hardware, work, budget, specs.get("target"), floor)
-        except ValueError as exc:
-            raise ConfigError(f"fasttts.kv_budget_mib: {exc.args[0]} (longest request {floor} = prompt_tokens + "
-                              f"max_tokens + max_step_tokens)") from None
-        if plan.shared is None:
-            raise ConfigError(f"fasttts.kv_budget_mib: {budget / MIB:.1f} MiB holds no sequence of every model at "
-                              f"once; only offloading (which co-located runtimes cannot do) would fit")
-        tokens = {role: b.max_total_tokens for role, b in plan.budgets.items()}
-        if verifier is None:
-            tokens["generator"] += tokens.pop("verifier")
-        split = "roofline"
-    elif len(runtimes) == 1:
-        tokens, split = {"generator": _tokens(budget, specs["generator"], "generator", floor)}, "whole budget"
-    else:
-        tokens = {role: _tokens(budget / len(runtimes), specs[role], role, floor) for role in runtimes}
-        split = "static"
-
-    fractions: dict[str, float] = {}
-    if device == "cuda":
-        needs = {role: specs[role].weight_bytes + tokens[role] * specs[role].kv_bytes_per_token for role in runtimes}
-        try:
-            fractions = start_order_safe_fractions(hardware, needs)
-        except ValueError as exc:
-            raise ConfigError(f"fasttts.kv_budget_mib: {exc.args[0]}") from None
-    configured = {role: dataclasses.replace(
-        config, max_total_tokens=tokens[role], mem_fraction_static=fractions.get(role, config.mem_fraction_static))
-        for role, config in runtimes.items()}
-    return RuntimeSettings(configured["generator"], configured.get("verifier"), split, plan,
-                           configured.get("target"), source)
-
-
-def _kv_budget(fast: FastTTSConfig, runtimes: dict[str, RuntimeConfig], specs: dict[str, ModelSpec],
-               hardware: Hardware | None) -> tuple[float, str]:
-    """The KV bytes all runtimes share and where that figure came from: `kv_budget_mib`; else the runtimes'
-    configured `max_total_tokens`, pooled; else (M on) the device's memory after all weights, logged."""
-    if fast.kv_budget_mib is not None:
-        return fast.kv_budget_mib * MIB, f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)"
-    if all(config.max_total_tokens for config in runtimes.values()):
-        pooled = sum(runtimes[role].max_total_tokens * specs[role].kv_bytes_per_token for role in runtimes)
-        return float(pooled), "the runtimes' max_total_tokens, pooled"
-    assert hardware is not None, "without a configured budget the split is M's, and M resolved the hardware"
-    weights = sum(m.weight_bytes for m in specs.values())
-    budget = kv_budget(hardware, *specs.values())
-    source = (f"{hardware.name}'s memory: {DEVICE_UTILIZATION:.0%} of {hardware.mem_bytes / GIB:.1f} GiB "
-              f"minus {weights / GIB:.2f} GiB of weights")
-    logger.warning("fasttts M: no kv_budget_mib and not every runtime has max_total_tokens, so the plan takes "
-                   "%s = %.2f GiB of KV", source, budget / GIB)
-    return budget, source
-
-
-def _tokens(kv_bytes: float, spec: ModelSpec, role: str, floor: int) -> int:
-    tokens = int(kv_bytes // spec.kv_bytes_per_token)
-    if tokens < floor:
-        raise ConfigError(f"fasttts.kv_budget_mib: the {role} runtime's share holds {tokens} tokens, fewer than "
-                         f"the longest request ({floor} = prompt_tokens + max_tokens + max_step_tokens); "
-                         f"raise the budget (now {kv_bytes / MIB:.1f} MiB for the {role}, "
-                         f"{spec.kv_bytes_per_token} KV bytes per token)")
-    return tokens
+    runtimes = {"generator": generator, "verifier": verifier, "target": target}
+    runtimes = {role: config for role, config in runtimes.items() if config is not None}
+    try:
+        budget = shared_kv_budget(runtimes, fast.kv_budget_mib, fast.hardware, fast.memory_plan)
+        if budget.origin == "device":
+            logger.warning("fasttts M: no kv_budget_mib and not every runtime has max_total_tokens, so the plan "
+                           "takes %s = %.2f GiB of KV", budget.source, budget.kv_bytes / GIB)
+        kv = split_kv(runtimes, budget, roofline=fast.memory_plan, paths=paths or search.n,
+                      prompt_tokens=fast.prompt_tokens, max_tokens=search.max_tokens,
+                      max_step_tokens=search.max_step_tokens, target_share=fast.target_share)
+    except KVSplitError as exc:
+        raise ConfigError(f"{_SETTING_OF[exc.argument]}: {exc}") from None
+    source = (f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)" if budget.origin == "given"
+              else budget.source)
+    return RuntimeSettings(kv.runtimes["generator"], kv.runtimes.get("verifier"), kv.split, kv.plan,
+                           kv.runtimes.get("target"), source)
 
 
 def describe_settings(settings: RuntimeSettings) -> str:

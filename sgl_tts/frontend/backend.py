@@ -1,13 +1,11 @@
 """The SGLang frontend backend programs run on, and the prompt format.
 
 `SearchBackend` is what sits beneath the DSL for every program, built-in or written by a user in plain
-SGLang: each request carries its fork lineage (`sgl_tts.frontend.lineage`) as its request id, so the
-scheduler's prefix-aware policy sees the search tree; each request's `meta_info` goes into the run's
-`RequestLedger`; under priority scheduling standard requests carry the standard priority; and a search that
-grows paths with `expand` finds the run's step extension (FastTTS speculation) here.
-
-`for_run()` gives one search its own view of a backend: the same runtime, a fresh ledger (that also counts
-into the parent's), a fresh step extension and the search's seed.
+SGLang. It is transport only, shared by every search: each request carries its fork lineage
+(`sgl_tts.frontend.lineage`) as its request id, so the scheduler's prefix-aware policy sees the search tree;
+under priority scheduling standard requests carry the standard priority; and the request is reported to the
+search the program state belongs to (`sglang_internals.search_of`: its ledger, observers, cancellation,
+seed), which is created where the search starts (`sgl_tts.search.context.SearchContext`).
 
 `TTSEndpoint` is SGLang's `RuntimeEndpoint` plus this: it adds the request fields in `_add_images`, the hook
 `RuntimeEndpoint` calls on every request body, instead of copying `generate`.
@@ -15,15 +13,16 @@ into the parent's), a fresh step extension and the search's seed.
 
 from __future__ import annotations
 
-import copy
 import hashlib
+import threading
 import time
 from typing import Any, Callable
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-from sgl_tts.frontend.ledger import RequestLedger
+from sgl_tts.frontend.ledger import Request
 from sgl_tts.frontend.lineage import node_of
+from sgl_tts.frontend.sglang_internals import search_of
 from policies.base import encode_rid
 
 SYSTEM_PROMPT = (
@@ -43,71 +42,69 @@ def request_seed(seed: int, number: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
+_sending = threading.local()  # the rid of the request this thread is sending (a state's worker sends one at a time)
+
+
 class SearchBackend:
-    """Mixin for SGLang `BaseBackend`s: lineage tags, accounting, per-run views (see the module docstring)."""
+    """Mixin for SGLang `BaseBackend`s: lineage tags, priority, and reporting to the state's search."""
 
-    run_label = "run"
-    ledger: RequestLedger | None = None
-    origin: Any = None  # the backend this per-run view was made from (itself when not a view)
-    extension: Any = None  # the run's step extension (FastTTS S), used by sgl_tts.search.api.expand
-    extension_factory: Callable[["SearchBackend"], Any] | None = None
-    seed: int | None = None
+    name = "generator"  # the runtime's name in request records
     standard_priority: int | None = None  # set when the runtime schedules by priority
-    rid_listener: Callable[[str], None] | None = None  # told every request id this view sends (sgl_tts.serve)
-    observers: tuple = ()  # see `observe`
 
-    def observe(self, callback: Callable[[str, float, dict[str, Any]], None]) -> None:
-        """Call `callback(request text, seconds, meta_info)` after every standard request (views included)."""
-        if "observers" not in self.__dict__:
-            self.observers = []  # this backend's own list; per-run views (shallow copies) share it
-        self.observers.append(callback)
-
-    def for_run(self, seed: int | None = None, label: str | None = None) -> "SearchBackend":
-        view = copy.copy(self)
-        view.origin = self.origin if self.origin is not None else self
-        view.ledger = self.ledger.child() if self.ledger is not None else RequestLedger()
-        view.seed = seed if seed is not None else self.seed
-        view.run_label = label or self.run_label
-        view.extension = self.extension_factory(view) if self.extension_factory is not None else None
-        return view
+    def rid(self, s: Any) -> str:
+        """The request id of the request state `s` is sending: its lineage tag (labelled by its search, when it
+        has one) and a nonce that makes it unique."""
+        rid = getattr(_sending, "rid", None)
+        if rid is None:
+            search = search_of(s)
+            rid = encode_rid(node_of(s, search.label if search is not None else "run").tag())
+        return rid
 
     def request_fields(self, s: Any) -> dict[str, Any]:
         """Top-level /generate fields for a request of state `s`: its lineage rid and, under priority
         scheduling, the standard priority."""
-        fields: dict[str, Any] = {"rid": encode_rid(node_of(s, self.run_label).tag())}
+        fields: dict[str, Any] = {"rid": self.rid(s)}
         if self.standard_priority is not None:
             fields["priority"] = self.standard_priority
-        if self.rid_listener is not None:
-            self.rid_listener(fields["rid"])
         return fields
 
     def sampling_seed(self, s: Any) -> int | None:
-        return None if self.seed is None else request_seed(self.seed, node_of(s, self.run_label).number)
+        search = search_of(s)
+        if search is None or search.seed is None:
+            return None
+        return request_seed(search.seed, node_of(s, search.label).number)
 
-    def record(self, meta: dict[str, Any], speculative: bool = False) -> None:
-        if self.ledger is not None:
-            self.ledger.record(meta, speculative)
+    def sent(self, s: Any, send: Callable[[], Any]) -> Any:
+        """`send()` a request of state `s`, with the rid in flight for its search while it runs (a cancelled
+        search refuses it)."""
+        search = search_of(s)
+        rid = self.rid(s)
+        if search is not None:
+            search.request_sent(rid)
+        _sending.rid = rid
+        try:
+            return send()
+        finally:
+            _sending.rid = None
+            if search is not None:
+                search.request_done(rid)
 
-    def finished(self, text: str, began: float, meta: dict[str, Any], output: str = "") -> None:
+    def answered(self, s: Any, text: str, began: float, meta: dict[str, Any], output: str = "") -> None:
         """A standard request for `text`, sent at perf_counter() `began`, answered with `output` and `meta`."""
-        if self.ledger is not None:
-            self.ledger.record_request(text, output, meta)
-        seconds = time.perf_counter() - began
-        for callback in self.observers:
-            callback(text, seconds, meta)
+        search = search_of(s)
+        if search is not None:
+            search.request_answered(Request.answered(self.name, text, output, meta, began), meta)
 
 
 class TTSEndpoint(SearchBackend, RuntimeEndpoint):
     """SGLang's RuntimeEndpoint for a started `sgl_tts.runtime.server.Runtime`, with `SearchBackend`."""
 
-    def __init__(self, runtime: Any, standard_priority: int | None = None, send_seed: bool = False,
-                 extension_factory: Callable[[SearchBackend], Any] | None = None):
+    def __init__(self, runtime: Any, standard_priority: int | None = None, send_seed: bool = False):
         super().__init__(runtime.url)
         self.runtime = runtime
         self.standard_priority = standard_priority
         self.send_seed = send_seed  # SGLang honours sampling_seed only with --enable-deterministic-inference
-        self.extension_factory = extension_factory
-        self.run_label = runtime.name
+        self.name = runtime.name
 
     def _add_images(self, s: Any, data: dict[str, Any]) -> None:
         super()._add_images(s, data)
@@ -118,12 +115,12 @@ class TTSEndpoint(SearchBackend, RuntimeEndpoint):
 
     def generate(self, s: Any, sampling_params: Any):
         began = time.perf_counter()
-        text, meta = self._call(super().generate, s, sampling_params)
-        self.finished(s.text_, began, meta, text)
+        text, meta = self.sent(s, lambda: self._call(super(TTSEndpoint, self).generate, s, sampling_params))
+        self.answered(s, s.text_, began, meta, text)
         return text, meta
 
     def commit_lazy_operations(self, s: Any) -> None:
-        self._call(super().commit_lazy_operations, s)
+        self.sent(s, lambda: self._call(super(TTSEndpoint, self).commit_lazy_operations, s))
 
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
         try:

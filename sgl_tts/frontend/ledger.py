@@ -10,23 +10,36 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Request:
-    """One standard request: its context text, what it generated, its tokens and when it was answered."""
+    """One standard request: the runtime it went to, its context text, what it generated, its tokens, when it
+    was answered and how long it took (the client's wall time and the server's own windows, None when the
+    server did not report them)."""
 
+    runtime: str
     context: str
     output: str
     completion_tokens: int
     answered_at: float  # time.monotonic()
+    client_s: float
+    e2e_latency: float | None = None
+    first_token_latency: float | None = None
+    queue_time: float | None = None
+
+    @classmethod
+    def answered(cls, runtime: str, context: str, output: str, meta: dict[str, Any], began: float) -> "Request":
+        """The request for `context` sent at time.perf_counter() `began` and answered now with `output`."""
+        return cls(runtime, context, output, int(meta.get("completion_tokens", 0) or 0), time.monotonic(),
+                   time.perf_counter() - began, meta.get("e2e_latency"), meta.get("first_token_latency"),
+                   meta.get("queue_time"))
 
 
 @dataclass
 class RequestLedger:
-    """Token and time counts of the requests one search (or one solve) sent; thread-safe.
+    """Token and time counts of the requests one search sent, and the requests themselves; thread-safe.
 
     Each request's `meta_info` (SGLang: prompt_tokens, completion_tokens, cached_tokens, e2e_latency) is
-    added here and to the `parent` ledger, so a search run inside a solve is counted by both.
+    added up here.
     """
 
-    parent: "RequestLedger | None" = None
     requests: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
@@ -37,15 +50,16 @@ class RequestLedger:
     log: list[Request] = field(default_factory=list, repr=False)  # standard requests with their text
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record_request(self, context: str, output: str, meta: dict[str, Any]) -> None:
-        """A standard request with its text (kept for `path_of`), counted like `record`."""
-        entry = Request(context, output, int(meta.get("completion_tokens", 0) or 0), time.monotonic())
-        ledger: RequestLedger | None = self
-        while ledger is not None:
-            with ledger._lock:
-                ledger.log.append(entry)
-            ledger = ledger.parent
+    def record_request(self, request: Request, meta: dict[str, Any]) -> None:
+        """A standard request (kept for `path_of` and per-request timings), counted like `record`."""
+        with self._lock:
+            self.log.append(request)
         self.record(meta)
+
+    def answered_requests(self, runtime: str | None = None) -> list[Request]:
+        """The standard requests answered so far (those to `runtime` only, when given)."""
+        with self._lock:
+            return [r for r in self.log if runtime is None or r.runtime == runtime]
 
     def path_of(self, text: str) -> tuple[int, float | None]:
         """(tokens generated along, time the last piece was answered) for the path whose whole text (prompt
@@ -66,8 +80,3 @@ class RequestLedger:
             if speculative:
                 self.speculative_requests += 1
                 self.speculative_tokens += completion
-        if self.parent is not None:
-            self.parent.record(meta, speculative)
-
-    def child(self) -> "RequestLedger":
-        return RequestLedger(parent=self)

@@ -5,7 +5,10 @@ operations on a worker thread and calls the backend. sgl-tts reads and writes a 
 are not public API (checked against SGLang 0.5.23):
 
 - `StreamExecutor.variables`: a dict that `fork` copies into every child (`dict(self.variables)`); the
-  request lineage rides in it from parent to child (`LINEAGE_VARIABLE`).
+  request lineage (`LINEAGE_VARIABLE`) and the state's search (`SEARCH_VARIABLE`) ride in it from parent to
+  child.
+- `StreamExecutor.__init__` starts the worker thread in `contextvars.copy_context()`: a search bound in the
+  thread that creates a program's first state (`searching`) is seen by that state's requests (`search_of`).
 - `StreamExecutor.backend`, `.use_thread`, `.worker` (the thread), `.error_`, `.variable_event`, `.end()`.
 - `ProgramState.stream_executor`.
 
@@ -15,13 +18,18 @@ SGLang upgrade that moves one of these fails one clear test instead of many conf
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import gc
 import inspect
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 LINEAGE_VARIABLE = "_sgl_tts_lineage"  # executor variable: the lineage node of the state it was forked from
 NODE_ATTRIBUTE = "_sgl_tts_node"  # executor attribute (not copied by fork): the executor's own lineage node
+SEARCH_VARIABLE = "_sgl_tts_search"  # executor variable: the search the state belongs to
+
+_current_search: contextvars.ContextVar[Any] = contextvars.ContextVar("sgl_tts_search", default=None)
 
 EXECUTOR_FIELDS = ("variables", "backend", "use_thread", "worker", "error_", "variable_event", "meta_info",
                    "text_", "arguments")
@@ -38,6 +46,9 @@ def check_interface() -> None:
         "SGLang's StreamExecutor.fork no longer copies the parent's variables into each child: request lineage "
         "(sgl_tts.frontend.lineage) cannot follow forks")
     assert "stream_executor" in inspect.getsource(ProgramState.__init__), "ProgramState has no stream_executor"
+    assert "contextvars.copy_context().run" in inspect.getsource(StreamExecutor.__init__), (
+        "SGLang's StreamExecutor no longer starts its worker in a copy of the caller's contextvars: a state's "
+        "requests cannot find their search (sgl_tts.frontend.sglang_internals.search_of)")
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
     for method in ("generate", "commit_lazy_operations"):
@@ -53,6 +64,33 @@ def executor_of(state: Any) -> Any:
 
 def backend_of(state: Any) -> Any:
     return executor_of(state).backend
+
+
+@contextlib.contextmanager
+def searching(search: Any) -> Iterator[Any]:
+    """Program states created in this block (and their forks) belong to `search`."""
+    token = _current_search.set(search)
+    try:
+        yield search
+    finally:
+        _current_search.reset(token)
+
+
+def search_of(state: Any) -> Any:
+    """The search a program state (or executor) belongs to, None outside any search. Read on the state's worker
+    thread (where the backend runs) the first time, then kept in the state's variables for its forks."""
+    executor = executor_of(state)
+    search = executor.variables.get(SEARCH_VARIABLE)
+    if search is None:
+        search = _current_search.get()
+        if search is not None:
+            executor.variables[SEARCH_VARIABLE] = search
+    return search
+
+
+def bind_search(state: Any, search: Any) -> None:
+    """Make `search` the search of `state` (and of the forks made from it from now on)."""
+    executor_of(state).variables[SEARCH_VARIABLE] = search
 
 
 def own_node(executor: Any) -> Any:
@@ -94,7 +132,7 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
 
     Each state (and fork) runs a non-daemon worker thread that ends only when the state is garbage-collected.
     A state kept alive by a reference cycle would leak its thread, and at interpreter exit make the exit wait
-    forever. A backend matches when it is one of `backends` or a per-run view of one (`.origin`).
+    forever.
     """
     from sglang.lang.interpreter import StreamExecutor
 
@@ -103,11 +141,8 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     for obj in gc.get_objects():
         if type(obj) is not StreamExecutor or not obj.use_thread or not obj.worker.is_alive():  # type(): no __class__
             continue
-        if wanted is not None:
-            backend = obj.backend
-            origin = getattr(backend, "origin", backend)
-            if not any(backend is b or origin is b for b in wanted):
-                continue
+        if wanted is not None and not any(obj.backend is b for b in wanted):
+            continue
         obj.end()
         obj.worker.join(timeout=5.0)  # joined here, not first asked by the collector (`settle_failed_states`)
         ended += 1

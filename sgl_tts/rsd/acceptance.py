@@ -1,6 +1,6 @@
 """Reward-guided speculative decoding (RSD): the parts that need no model.
 
-- weighting functions omega(r) (RSD Table 1) in a registry by name, and `RSDConfig`;
+- weighting functions omega(r) (RSD Table 1) in a registry by name, and the checks of their settings;
 - the acceptance criterion A_omega (RSD Algorithm 2);
 - per-step records that the RSD program (Algorithm 1) produces, and the statistics and FLOPs computed from
   them (RSD §3.3: 2N FLOPs per token for a model of N parameters, draft tokens of rejected steps included).
@@ -9,39 +9,38 @@
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from sgl_tts.registry import Registry
 
-WeightingFn = Callable[[float, "RSDConfig"], float]
+WeightingFn = Callable[[float, "WeightingSettings"], float]
 
 
-def binary_weight(r: float, config: RSDConfig) -> float:
+def binary_weight(r: float, settings: WeightingSettings) -> float:
     """1(r >= delta): the paper's default and, under a target-call budget, optimal (RSD Prop. 2.3)."""
-    return 1.0 if r >= config.delta else 0.0
+    return 1.0 if r >= settings.delta else 0.0
 
 
-def constant_weight(r: float, config: RSDConfig) -> float:
+def constant_weight(r: float, settings: WeightingSettings) -> float:
     """p, ignoring the reward."""
-    return config.constant
+    return settings.constant
 
 
-def clipping_weight(r: float, config: RSDConfig) -> float:
+def clipping_weight(r: float, settings: WeightingSettings) -> float:
     """min(1, max(0, r))."""
     return min(1.0, max(0.0, r))
 
 
-def sigmoidal_weight(r: float, config: RSDConfig) -> float:
+def sigmoidal_weight(r: float, settings: WeightingSettings) -> float:
     """max(0, r/(1+r)); taken as 0 for every r <= 0, where r/(1+r) is negative or (r <= -1) undefined."""
     return r / (1.0 + r) if r > 0 else 0.0
 
 
-def logistic_weight(r: float, config: RSDConfig) -> float:
+def logistic_weight(r: float, settings: WeightingSettings) -> float:
     """1 / (1 + exp(-alpha (r - delta))), a smooth step centred on delta."""
-    z = config.logistic_alpha * (r - config.delta)
+    z = settings.logistic_alpha * (r - settings.delta)
     if z >= 0:
         return 1.0 / (1.0 + math.exp(-z))
     ez = math.exp(z)  # same value, written so that exp cannot overflow for very negative z
@@ -62,51 +61,36 @@ def get_weighting(name: str) -> WeightingFn:
     return WEIGHTINGS[name]
 
 
-@dataclass(frozen=True)
-class RSDConfig:
-    """RSD hyperparameters; defaults are the paper's (§3 default setting, Fig. 6 for constant and logistic)."""
+class WeightingSettings(Protocol):
+    """The settings omega reads: which weighting, and its parameters (the rsd program's `Settings`; the paper's
+    defaults are RSD §3, Fig. 6 for constant and logistic)."""
 
-    weighting: str = "binary"
-    delta: float = 0.7  # threshold of `binary`, centre of `logistic`
-    constant: float = 0.6  # p of `constant`
-    logistic_alpha: float = 1.0  # steepness of `logistic`
-    seed: int = 0  # seeds the uniform draws of Algorithm 2 when omega(r) is strictly between 0 and 1
-    step_delimiter: str = "\n\n"  # a reasoning step is a generation ending with this
-    max_steps: int = 64  # N of Algorithm 1: at most this many steps per problem
-    temperature: float = 0.0  # the paper decodes RSD greedily
-    top_p: float = 1.0
+    weighting: str
+    delta: float  # threshold of `binary`, centre of `logistic`
+    constant: float  # p of `constant`
+    logistic_alpha: float  # steepness of `logistic`
 
-    def __post_init__(self) -> None:
-        WEIGHTINGS.check(self.weighting)
-        if not 0.0 <= self.delta <= 1.0:
-            raise ValueError(f"delta must be in [0, 1], got {self.delta}")
-        if not 0.0 <= self.constant <= 1.0:
-            raise ValueError(f"constant must be in [0, 1], got {self.constant}")
-        if not self.logistic_alpha > 0:
-            raise ValueError(f"logistic_alpha must be > 0 (omega must not decrease in r), got {self.logistic_alpha}")
-        if not self.step_delimiter:
-            raise ValueError("step_delimiter must not be empty")
-        if self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    def weight(self, reward: float) -> float:
-        """omega(r) for this config's weighting."""
-        return WEIGHTINGS[self.weighting](reward, self)
+def check_weighting_settings(settings: WeightingSettings) -> None:
+    """Raise ValueError naming the first setting outside its domain."""
+    WEIGHTINGS.check(settings.weighting)
+    if not 0.0 <= settings.delta <= 1.0:
+        raise ValueError(f"delta must be in [0, 1], got {settings.delta}")
+    if not 0.0 <= settings.constant <= 1.0:
+        raise ValueError(f"constant must be in [0, 1], got {settings.constant}")
+    if not settings.logistic_alpha > 0:
+        raise ValueError(f"logistic_alpha must be > 0 (omega must not decrease in r), got {settings.logistic_alpha}")
+
+
+def weight(reward: float, settings: WeightingSettings) -> float:
+    """omega(r) for the settings' weighting."""
+    return WEIGHTINGS[settings.weighting](reward, settings)
 
 
 class UniformSource(Protocol):
     """`random.Random` or `numpy.random.Generator`: anything whose random() is uniform on [0, 1)."""
 
     def random(self) -> float: ...
-
-
-def acceptance_rng(config: RSDConfig) -> random.Random:
-    """The generator of Algorithm 2's uniform draws, seeded from the config."""
-    return random.Random(config.seed)
 
 
 def accept_with_weight(weight: float, rng: UniformSource) -> bool:
@@ -122,9 +106,9 @@ def accept_with_weight(weight: float, rng: UniformSource) -> bool:
     return rng.random() < weight
 
 
-def accept_draft_step(reward: float, config: RSDConfig, rng: UniformSource) -> bool:
+def accept_draft_step(reward: float, settings: WeightingSettings, rng: UniformSource) -> bool:
     """A_omega(r): whether the draft step with PRM score `reward` is kept."""
-    return accept_with_weight(config.weight(reward), rng)
+    return accept_with_weight(weight(reward, settings), rng)
 
 
 # --- per-step records and run statistics -------------------------------------------------------------------

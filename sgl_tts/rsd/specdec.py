@@ -10,7 +10,6 @@ The planner is the serial round-cost model of edge-inference eval eqs. (6)-(7); 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,81 +163,3 @@ def format_plan(rows: list[SpecPlanRow], k: int, t_draft: float, t_verify: float
             f"{row.alpha:>6.3g}  {row.expected_tokens:>8.4f}  {row.round_cost:>10.4f}  {row.speed_ratio:>11.4f}"
         )
     return "\n".join(lines)
-
-
-# --- CLI: `sgl-tts plan spec` ------------------------------------------------------------------------------
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not np.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-    return value
-
-
-def _acceptance_rate(text: str) -> float:
-    value = _float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _draft_length(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _non_negative_time(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_time(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def run_plan_spec(args: argparse.Namespace) -> int:
-    rows = plan_spec(args.alpha, args.k, args.td, args.tv, args.th, args.t1)
-    print(format_plan(rows, args.k, args.td, args.tv, args.th, args.t1))
-    return 0
-
-
-def add_plan_spec_parser(plan_subparsers) -> argparse.ArgumentParser:
-    """Add `spec` to the sub-parsers of the `plan` command; the parsed Namespace's `func` runs it."""
-    parser = plan_subparsers.add_parser(
-        "spec",
-        help="speed model of token-level speculative decoding",
-        description="Expected tokens per round and speed ratio S(k) = E[N]*T1 / (k*TD + TV(k+1) + TH) "
-        "for each acceptance rate alpha (serial model, no overlap). Times share one unit.",
-    )
-    parser.add_argument("--alpha", type=_acceptance_rate, action="append", required=True,
-                        help="mean per-token acceptance rate in [0, 1]; repeat for several rows")
-    parser.add_argument("--k", type=_draft_length, required=True, help="draft tokens per round (>= 1)")
-    parser.add_argument("--td", type=_non_negative_time, required=True, help="draft time per token")
-    parser.add_argument("--tv", type=_positive_time, required=True, help="verification time for k+1 tokens")
-    parser.add_argument("--th", type=_non_negative_time, required=True, help="acceptance and state handling time")
-    parser.add_argument("--t1", type=_positive_time, default=1.0, help="baseline time per token (default 1)")
-    parser.set_defaults(func=run_plan_spec)
-    return parser
-
-
-def register_cli(subparsers) -> argparse._SubParsersAction:
-    """Create the `plan` command with `spec` under it; returns plan's sub-parsers for other planners
-    (e.g. `plan memory`) to add themselves to. Call it once; if `plan` exists, use add_plan_spec_parser."""
-    plan = subparsers.add_parser("plan", help="analytical planners")
-    plan_subparsers = plan.add_subparsers(dest="plan_command", metavar="PLANNER", required=True)
-    add_plan_spec_parser(plan_subparsers)
-    return plan_subparsers

@@ -22,10 +22,8 @@ FLOPs are those of a run without the cache; the `elapsed` column is the time the
 
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
-import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,9 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sgl_tts.search.grading import grade
-from sgl_tts.app.metrics import summarize
 from sgl_tts.search.records import SearchResult
-from sgl_tts.rsd.acceptance import MODELS, RSDConfig, StepRecord, summarize_run
+from sgl_tts.rsd.acceptance import MODELS, StepRecord, summarize_run
 
 SWEEP_WEIGHTINGS = ("binary", "logistic")  # the weightings that delta parametrises
 DEFAULT_DELTAS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -68,8 +65,8 @@ def run_statistics(results: Sequence[SearchResult]) -> dict[str, Any]:
     serial = [_serial_seconds(records) for records in problems]
     solution_tokens = sum(c.tokens for r in results for c in r.candidates)
     stats["solution_tokens"] = solution_tokens
-    stats["latency_s"] = summarize(r.total_time_s for r in results)
-    stats["model_latency_s"] = summarize(serial)
+    stats["latency_s"] = statistics.fmean(r.total_time_s for r in results)  # mean wall seconds per problem
+    stats["model_latency_s"] = statistics.fmean(serial)  # mean model-call seconds per problem
     # Tokens of the kept solution per second of a problem's model calls: the decode rate a user sees.
     stats["throughput_tok_s"] = solution_tokens / sum(serial) if sum(serial) > 0 else None
     stats["target_is_draft_model"] = any(r.extra["rsd"]["target_is_draft_model"] for r in results)
@@ -108,8 +105,8 @@ def summary_lines(results: Sequence[SearchResult]) -> list[str]:
                                         + f" | total {_si(stats['total_flops'], 'FLOP')}, "
                                         f"{_si(stats['flops_per_problem'], 'FLOP')} per problem"
                                         if stats["total_flops"] is not None else "n/a (parameter counts unknown)"),
-        f"rsd latency per problem: wall {stats['latency_s']['mean']:.1f} s mean, "
-        f"model calls {stats['model_latency_s']['mean']:.1f} s mean | "
+        f"rsd latency per problem: wall {stats['latency_s']:.1f} s mean, "
+        f"model calls {stats['model_latency_s']:.1f} s mean | "
         f"throughput {_si(stats['throughput_tok_s'], 'tok/s')} (solution tokens / model-call seconds)",
     ]
     if stats["target_is_draft_model"]:
@@ -157,29 +154,31 @@ def sweep_row(delta: float, problems: Sequence[Any], results: Sequence[SearchRes
         delta=delta, problems=len(results), accuracy=sum(correct) / len(correct),
         draft_only_fraction=stats["draft_only_fraction"], target_invocation_rate=stats["target_invocation_rate"],
         flops_per_problem=stats["flops_per_problem"], tokens=stats["tokens"],
-        latency_s=stats["model_latency_s"]["mean"], throughput_tok_s=stats["throughput_tok_s"], elapsed_s=elapsed_s,
+        latency_s=stats["model_latency_s"], throughput_tok_s=stats["throughput_tok_s"], elapsed_s=elapsed_s,
         cache_hits=sum(r.extra["rsd"]["cache_hits"] for r in results), by_level=by_level)
 
 
-def run_sweep(problems: Sequence[Any], deltas: Sequence[float], runtimes: Any, search: Any, settings: RSDConfig,
-              concurrency: int = 4, cache: bool = True, on_delta=None) -> tuple[list[SweepRow], dict[float, list]]:
-    """Run the rsd program over `problems` once per delta; returns the rows and each delta's results."""
+def run_sweep(problems: Sequence[Any], deltas: Sequence[float], runtimes: Any, search: Any, concurrency: int = 4,
+              cache: bool = True, on_delta=None, params: dict[str, int | None] | None = None,
+              ) -> tuple[list[SweepRow], dict[float, list]]:
+    """Run the rsd program with `search` (its settings but delta) over `problems` once per delta; returns the
+    rows and each delta's results. `params`: the parameter counts for FLOPs, if the runtimes do not give them."""
     from sgl_tts.rsd.step_cache import StepCache
-    from sgl_tts.search.programs import load_program
+    from sgl_tts.search.programs import load_program, program_settings
 
     run = load_program("rsd")
-
+    settings = program_settings("rsd", search.settings, "rsd-sweep")
     if settings.weighting not in SWEEP_WEIGHTINGS:
-        raise ValueError(f"the sweep varies rsd.delta, which weighting {settings.weighting!r} ignores: "
+        raise ValueError(f"the sweep varies search.settings.delta, which weighting {settings.weighting!r} ignores: "
                          f"use one of {', '.join(SWEEP_WEIGHTINGS)}")
     shared = StepCache() if cache else None
     rows, all_results = [], {}
     for delta in deltas:
-        swept = dataclasses.replace(runtimes, extras={**runtimes.extras, "rsd": dataclasses.replace(settings, delta=delta),
-                                                      "rsd_cache": shared})
+        swept = dataclasses.replace(search, settings=dataclasses.replace(settings, delta=delta))
         began = time.monotonic()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            results = list(pool.map(lambda problem: run(problem, search, swept), problems))
+            results = list(pool.map(lambda problem: run(problem, swept, runtimes, step_cache=shared, params=params),
+                                    problems))
         row = sweep_row(delta, problems, results, time.monotonic() - began)
         rows.append(row)
         all_results[delta] = results
@@ -197,21 +196,6 @@ def table_cells(row: SweepRow) -> list[str]:
             f"{row.target_invocation_rate:.0%}", _si(row.flops_per_problem), str(row.tokens["draft"]),
             str(row.tokens["target"]), str(row.tokens["prm"]), f"{row.latency_s:.1f}",
             "n/a" if row.throughput_tok_s is None else f"{row.throughput_tok_s:.1f}", f"{row.elapsed_s:.0f}"]
-
-
-def format_table(rows: Sequence[SweepRow]) -> str:
-    """A Markdown table: one row per delta, then per-level accuracy and draft-only fraction when present."""
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
-    lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
-    levels = sorted({level for row in rows for level in row.by_level})
-    if levels:
-        lines += ["", "By level (accuracy / solved by draft alone):", "",
-                  "| delta | " + " | ".join(f"level {lv}" for lv in levels) + " |", "|" + "---|" * (len(levels) + 1)]
-        for row in rows:
-            cells = [f"{row.by_level[lv]['accuracy']:.0%} / {row.by_level[lv]['draft_only_fraction']:.0%}"
-                     if lv in row.by_level else "-" for lv in levels]
-            lines.append(f"| {row.delta:.2f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: Path, title: str) -> None:
@@ -277,92 +261,3 @@ def plot_levels(rows: Sequence[SweepRow], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_outputs(rows: Sequence[SweepRow], results: dict[float, list[SearchResult]], out: Path, title: str,
-                  notes: Sequence[str] = ()) -> list[Path]:
-    """Write the table (Markdown, CSV, JSON), the plots and each delta's results (JSONL) under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "sweep.md", out / "sweep.csv", out / "sweep.json", out / "sweep.png"]
-    (out / "sweep.md").write_text(f"# {title}\n\n" + "".join(f"{n}\n\n" for n in notes) + format_table(rows) + "\n")
-    with open(out / "sweep.csv", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(TABLE_COLUMNS)
-        writer.writerows(table_cells(row) for row in rows)
-    (out / "sweep.json").write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=2))
-    plot_sweep(rows, out / "sweep.png", title)
-    if any(row.by_level for row in rows):
-        plot_levels(rows, out / "sweep_levels.png", title)
-        written.append(out / "sweep_levels.png")
-    for delta, delta_results in results.items():
-        path = out / f"results-delta-{delta:.2f}.jsonl"
-        path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in delta_results))
-        written.append(path)
-    return written
-
-
-# --- command line -----------------------------------------------------------------------------------------
-
-
-def parse_deltas(text: str) -> list[float]:
-    try:
-        deltas = [float(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {text!r}") from None
-    bad = [d for d in deltas if not 0.0 <= d <= 1.0]
-    if not deltas or bad:
-        raise argparse.ArgumentTypeError(f"every delta must be in [0, 1], got {text!r}")
-    return sorted(set(deltas))
-
-
-def _cmd_rsd_sweep(args: argparse.Namespace) -> int:
-    from sgl_tts.problems import load_problems
-    from sgl_tts.config import ConfigError
-    from sgl_tts.app.session import Session, load_run_config
-
-    config = load_run_config(args.config)
-    if config.search.program != "rsd":
-        raise ConfigError(f"{args.config}: rsd-sweep needs search.program: rsd, got {config.search.program!r}")
-    if config.rsd.weighting not in SWEEP_WEIGHTINGS:
-        raise ConfigError(f"{args.config}: rsd-sweep varies rsd.delta, which weighting {config.rsd.weighting!r} "
-                          f"ignores: use one of {', '.join(SWEEP_WEIGHTINGS)}")
-    limit = args.limit if args.limit is not None else config.dataset.limit
-    problems = list(load_problems(config.dataset.name, limit=limit, offset=config.dataset.offset))
-    target = (f"{config.generator.model} on the generator's runtime" if config.target == "generator"
-              else config.target.model)
-    title = (f"RSD delta sweep: draft {config.generator.model}, target {target}, scorer {config.scorer.kind}, "
-             f"{config.dataset.name} x{len(problems)}, weighting {config.rsd.weighting}")
-    print(f"sgl-tts rsd-sweep: {title}; deltas {', '.join(f'{d:g}' for d in args.deltas)}", flush=True)
-    print(" | ".join(TABLE_COLUMNS), flush=True)
-    with Session(config) as session:
-        rows, results = run_sweep(problems, args.deltas, session.search_runtimes, config.search, config.rsd,
-                                  concurrency=config.concurrency, cache=not args.no_cache,
-                                  on_delta=lambda row: print(" | ".join(table_cells(row)), flush=True))
-    notes = []
-    first = next(iter(results.values()))
-    if any(r.extra["rsd"]["target_is_draft_model"] for r in first):
-        notes.append(target_note(first[0].extra["rsd"]["settings"]))
-    notes.append("cache: " + ("off (independent reruns)" if args.no_cache else
-                              "on: one draft step, score and target step per context, shared by all deltas "
-                              "(exact at temperature 0)") + "; latency = mean per problem of the model calls' seconds.")
-    print()
-    print(format_table(rows))
-    for note in notes:
-        print(note)
-    for path in write_outputs(rows, results, Path(args.out), title, notes)[:5]:
-        print(f"wrote {path}")
-    return 0
-
-
-def add_rsd_sweep_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser("rsd-sweep", help="RSD accuracy, draft-only fraction and FLOPs against delta")
-    parser.add_argument("--config", default="rsd-cpu",
-                        help="run config (YAML path or packaged name) with search.program: rsd")
-    parser.add_argument("--deltas", type=parse_deltas, default=list(DEFAULT_DELTAS),
-                        help="comma-separated thresholds in [0, 1] (default 0,0.1,...,1)")
-    parser.add_argument("--limit", type=int, help="only the first LIMIT problems")
-    parser.add_argument("--out", default="results/rsd-sweep", help="folder for the table, plot and results")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="rerun every context per delta instead of sharing the step cache")
-    parser.set_defaults(func=_cmd_rsd_sweep)
-    return parser

@@ -15,21 +15,28 @@ optimum into what each SGLang runtime is started with:
 
 Device memory is planned at `DEVICE_UTILIZATION`: weights and KV of all runtimes within 90% of it, the rest
 left to activations, CUDA graphs and contexts, split evenly between the runtimes.
+
+The KV split of runtime configs (what FastTTS's M switch applies, `sgl_tts.fasttts.switches`): `shared_kv_budget`
+finds the budget (given, the configured `max_total_tokens` pooled, or the device after all weights) and
+`split_kv` divides it by the roofline plan or in equal shares, no runtime below the longest request
+(`longest_request_tokens`), and returns the configs with `max_total_tokens` (and on cuda the fraction) set.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, replace
+from typing import Mapping
 
-from sgl_tts.runtime.hardware import GIB, HARDWARE, KNOWN_HARDWARE, THIS_MACHINE, Hardware, get_hardware
-from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, Allocation, ModelSpec, StepCosts, Workload,
-                                      load_model_spec, search_offload, search_shared, search_static)
+from sgl_tts.runtime.hardware import GIB, HARDWARE, Hardware, plan_hardware
+from sgl_tts.runtime.models import resolve_model
+from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, Allocation, ModelSpec, StepCosts,
+                                      Workload, load_model_spec, search_offload, search_shared, search_static)
+from sgl_tts.runtime.server import RuntimeConfig
 
 DEVICE_UTILIZATION = 0.9
+MIB = 2**20
 ROLES = ("generator", "verifier", "target")
 
 
@@ -157,6 +164,167 @@ def plan_memory(gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload, bu
     return MemoryPlan(hw, work, budget, shared, offload, search_static(costs, budget), budgets)
 
 
+# ---- The KV split of co-located runtimes: budget, floors, workload, and the split itself ----
+
+class KVSplitError(ValueError):
+    """A KV split that cannot be made. `argument` names the input at fault, by the parameter names of
+    `shared_kv_budget` and `split_kv`: "runtimes" (not on one device), "hardware" (no profile) or "budget_mib"
+    (the budget, given or derived, is too small), so that a caller can name its own setting."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(message)
+        self.argument = argument
+
+
+def model_spec_for(config: RuntimeConfig) -> ModelSpec:
+    """The roofline's view of a runtime's model, in the dtype the runtime will use (fp32 on CPU)."""
+    if config.dtype != "auto":
+        dtype = config.dtype if config.dtype in DTYPE_BYTES else None
+    else:
+        dtype = "float32" if config.device == "cpu" else None
+    known = config.model in BUILTIN_CONFIGS or config.model in HUB_IDS
+    source = config.model if known else resolve_model(config.model)
+    return load_model_spec(source, dtype)
+
+
+def longest_request_tokens(prompt_tokens: int, max_tokens: int, max_step_tokens: int) -> int:
+    """Tokens of the longest request any runtime must hold: the prompt, a whole path (`max_tokens`) plus a
+    LookAhead step (`max_step_tokens`)."""
+    return prompt_tokens + max_tokens + max_step_tokens
+
+
+def plan_workload(paths: int, prompt_tokens: int, max_tokens: int, max_step_tokens: int,
+                  target_share: float = 0.0) -> Workload:
+    """One search step for the roofline: `paths` beams whose context averages the prompt plus half a path
+    (`max_tokens`), each decoding a step of `max_step_tokens`; `target_share` of the steps are rewritten by RSD's
+    target (0 without one)."""
+    return Workload(paths, prompt_tokens + max_tokens // 2, max_step_tokens, target_share)
+
+
+@dataclass(frozen=True)
+class SharedBudget:
+    """The KV memory co-located runtimes share (`shared_kv_budget`), with what the split needs besides.
+
+    origin: "given" (`budget_mib`), "pooled" (the runtimes' configured `max_total_tokens`) or "device" (the
+    device's memory after all weights); source: the same in words, for logs and reports.
+    specs: each runtime's model, by role, in the dtype it runs in; hardware: the roofline profile, None when
+    neither a roofline plan nor a GPU's memory fractions need one.
+    """
+
+    kv_bytes: float
+    origin: str
+    source: str
+    device: str
+    specs: Mapping[str, ModelSpec]
+    hardware: Hardware | None
+
+
+def shared_kv_budget(runtimes: Mapping[str, RuntimeConfig], budget_mib: float | None, hardware: str | None,
+                     roofline: bool) -> SharedBudget:
+    """The KV bytes the co-located `runtimes` (by role: generator[, verifier][, target], all on one device)
+    share: `budget_mib`; else their configured `max_total_tokens`, pooled; else the device's memory after all
+    weights (`kv_budget`). `hardware` names the roofline profile (None: from the device, `plan_hardware`); it is
+    resolved for a `roofline` plan, on cuda and for the device's memory. Raises KVSplitError."""
+    devices = {config.device for config in runtimes.values()}
+    if len(devices) > 1:
+        raise KVSplitError("runtimes", "the KV split needs all runtimes on one device, got "
+                           + ", ".join(f"{role} on {config.device}" for role, config in runtimes.items()))
+    device = devices.pop()
+    specs = {role: model_spec_for(config) for role, config in runtimes.items()}
+    pooled = all(config.max_total_tokens for config in runtimes.values())
+    profile: Hardware | None = None
+    if roofline or device == "cuda" or (budget_mib is None and not pooled):
+        try:
+            profile = plan_hardware(device, hardware)
+        except (KeyError, ValueError) as exc:
+            raise KVSplitError("hardware", exc.args[0]) from None
+
+    if budget_mib is not None:
+        return SharedBudget(budget_mib * MIB, "given", f"{budget_mib:g} MiB given", device, specs, profile)
+    if pooled:
+        kv = sum(runtimes[role].max_total_tokens * specs[role].kv_bytes_per_token for role in runtimes)
+        return SharedBudget(float(kv), "pooled", "the runtimes' max_total_tokens, pooled", device, specs, profile)
+    assert profile is not None
+    weights = sum(m.weight_bytes for m in specs.values())
+    source = (f"{profile.name}'s memory: {DEVICE_UTILIZATION:.0%} of {profile.mem_bytes / GIB:.1f} GiB "
+              f"minus {weights / GIB:.2f} GiB of weights")
+    return SharedBudget(kv_budget(profile, *specs.values()), "device", source, device, specs, profile)
+
+
+def tokens_in_share(kv_bytes: float, spec: ModelSpec, role: str, min_tokens: int) -> int:
+    """The KV tokens `kv_bytes` hold for `spec`'s model; KVSplitError when fewer than `min_tokens`, the longest
+    request (`longest_request_tokens`)."""
+    tokens = int(kv_bytes // spec.kv_bytes_per_token)
+    if tokens < min_tokens:
+        raise KVSplitError("budget_mib", f"the {role} runtime's share holds {tokens} tokens, fewer than the longest "
+                           f"request ({min_tokens} = prompt_tokens + max_tokens + max_step_tokens); raise the budget "
+                           f"(now {kv_bytes / MIB:.1f} MiB for the {role}, {spec.kv_bytes_per_token} KV bytes per "
+                           f"token)")
+    return tokens
+
+
+@dataclass(frozen=True)
+class KVSplit:
+    """The runtimes' configs with their KV budgets (`split_kv`), by role, and how the budgets were chosen:
+    split "whole budget" (one runtime), "static" (equal shares) or "roofline" (`plan`)."""
+
+    runtimes: Mapping[str, RuntimeConfig]
+    split: str
+    plan: MemoryPlan | None = None
+
+
+def split_kv(runtimes: Mapping[str, RuntimeConfig], budget: SharedBudget, *, roofline: bool, paths: int,
+             prompt_tokens: int, max_tokens: int, max_step_tokens: int, target_share: float = 0.0) -> KVSplit:
+    """Split `budget` between the co-located `runtimes` (by role; no verifier: the scorer reads from the
+    generator's runtime, which then holds the verifier's share too): by the `roofline` plan (`plan_memory`) of
+    one search step (`plan_workload`: `paths` sequences at once; `target_share` counts only with a target), or
+    in equal shares. Budgets in tokens follow each model's KV bytes per token; none is below the longest request
+    (`longest_request_tokens`). On cuda each runtime also gets a start-order-safe `mem_fraction_static`.
+    Raises KVSplitError."""
+    specs, hardware = budget.specs, budget.hardware
+    floor = longest_request_tokens(prompt_tokens, max_tokens, max_step_tokens)
+    plan = None
+    if roofline:
+        assert hardware is not None, "shared_kv_budget resolves the hardware for a roofline plan"
+        # The scorer on the generator's runtime: plan a verifier of the generator's model, the runtime holds both.
+        ver_spec = specs.get("verifier", specs["generator"])
+        work = plan_workload(paths, prompt_tokens, max_tokens, max_step_tokens,
+                             target_share if "target" in runtimes else 0.0)
+        try:
+            plan = plan_memory(specs["generator"], ver_spec, hardware, work, budget.kv_bytes, specs.get("target"),
+                               floor)
+        except ValueError as exc:
+            raise KVSplitError("budget_mib", f"{exc.args[0]} (longest request {floor} = prompt_tokens + max_tokens "
+                               f"+ max_step_tokens)") from None
+        if plan.shared is None:
+            raise KVSplitError("budget_mib", f"{budget.kv_bytes / MIB:.1f} MiB holds no sequence of every model at "
+                               f"once; only offloading (which co-located runtimes cannot do) would fit")
+        tokens = {role: b.max_total_tokens for role, b in plan.budgets.items()}
+        if "verifier" not in runtimes:
+            tokens["generator"] += tokens.pop("verifier")
+        split = "roofline"
+    elif len(runtimes) == 1:
+        tokens = {"generator": tokens_in_share(budget.kv_bytes, specs["generator"], "generator", floor)}
+        split = "whole budget"
+    else:
+        tokens = {role: tokens_in_share(budget.kv_bytes / len(runtimes), specs[role], role, floor)
+                  for role in runtimes}
+        split = "static"
+
+    fractions: dict[str, float] = {}
+    if budget.device == "cuda":
+        assert hardware is not None, "shared_kv_budget resolves the hardware on cuda"
+        needs = {role: specs[role].weight_bytes + tokens[role] * specs[role].kv_bytes_per_token for role in runtimes}
+        try:
+            fractions = start_order_safe_fractions(hardware, needs)
+        except ValueError as exc:
+            raise KVSplitError("budget_mib", exc.args[0]) from None
+    configured = {role: replace(config, max_total_tokens=tokens[role],
+                                mem_fraction_static=fractions.get(role, config.mem_fraction_static))
+                  for role, config in runtimes.items()}
+    return KVSplit(configured, split, plan)
+
+
 def bench_planner(ns: tuple[int, ...] = (16, 64, 256, 1024), repeats: int = 20,
                   with_target: bool = True) -> dict[int, float]:
     """Microseconds per `plan_memory` call (best of `repeats`) for each n, on the RTX 4090 profile: Qwen2.5-Math
@@ -183,74 +351,3 @@ def describe_allocation(a: Allocation | None) -> str:
     parts += f" + target {a.t_target * 1e3:.2f}" if a.b_tgt else ""
     parts += f" + offload {a.overhead * 1e3:.2f}" if a.overhead else ""
     return f"B_pre={a.b_pre:<4d} B_dec={a.b_dec:<4d}{target} T_tot={a.t_total * 1e3:9.2f} ms ({parts})"
-
-
-def _handle_plan_memory(args: argparse.Namespace) -> int:
-    try:
-        hw = get_hardware(args.hardware)
-        dtype = args.dtype or ("float32" if hw.name == THIS_MACHINE else None)  # SGLang on CPU runs fp32
-        gen = load_model_spec(args.generator_config, dtype)
-        ver = load_model_spec(args.verifier_config, dtype)
-        target = load_model_spec(args.target_config, dtype) if args.target_config else None
-        share = args.target_share if target is not None else 0.0
-        work = Workload(args.n, args.prompt_len, args.decode_len, share)
-        budget = args.memory_gb * GIB if args.memory_gb is not None else None
-        plan = plan_memory(gen, ver, hw, work, budget, target, args.min_tokens)
-        planner_us = math.inf
-        for _ in range(20):
-            began = time.perf_counter()
-            plan_memory(gen, ver, hw, work, budget, target, args.min_tokens)
-            planner_us = min(planner_us, (time.perf_counter() - began) * 1e6)
-    except (KeyError, ValueError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}")
-        return 2
-    gpu = hw.name != THIS_MACHINE
-    print(f"hardware  {hw.name}: {hw.peak_flops / 1e12:.2f} TFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s, "
-          f"{hw.mem_bytes / GIB:.1f} GiB, link {hw.link_bandwidth / 1e9:.1f} GB/s"
-          + ("  (times below are roofline projections, not measurements)" if gpu else ""))
-    models = {"generator": gen, "verifier": ver, **({"target": target} if target else {})}
-    for role, m in models.items():
-        print(f"{role:<9} {m.name}: {m.weight_bytes / GIB:.2f} GiB weights, {m.kv_bytes_per_token} KV bytes/token")
-    print(f"workload  n={work.n} prompt_len={work.prompt_len} decode_len={work.decode_len}"
-          + (f" target rewrites {work.target_n} of {work.n} steps" if target else "")
-          + f"; KV budget {plan.kv_budget / GIB:.3f} GiB")
-    for label, a in (("shared", plan.shared), ("offload", plan.offload), ("static", plan.static)):
-        print(f"{label:<9} {describe_allocation(a)}")
-    print(f"fastest   {plan.chosen.mode}; co-located SGLang runtimes allocate their KV pools at start and cannot "
-          f"offload, so they get the shared split" + ("" if plan.budgets else ", which does not fit"))
-    for role, b in plan.budgets.items():
-        fraction = ""
-        if gpu:
-            fraction = (f", --mem-fraction-static {b.mem_fraction_static:.3f}" if b.mem_fraction_static is not None
-                        else f" (weights + KV exceed {DEVICE_UTILIZATION:.0%} of the device)")
-        print(f"{role:<9} --max-total-tokens {b.max_total_tokens}{fraction} (KV {b.kv_bytes / GIB:.3f} GiB)")
-    print(f"planner   {planner_us:.0f} µs for this plan (best of 20 calls)")
-    if args.bench:
-        for n, us in bench_planner().items():
-            print(f"bench     n={n:<5d} {us:8.1f} µs per plan (generator + verifier + target, rtx4090)")
-    return 0
-
-
-def add_plan_memory_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
-    """Add `memory` to the `plan` command's subparsers; its handler returns an exit code."""
-    p = plan_subparsers.add_parser("memory", help="split KV memory between co-located runtimes (roofline)")
-    p.add_argument("--hardware", default=THIS_MACHINE,
-                   help=f"one of {', '.join(KNOWN_HARDWARE)} (default: probe this machine)")
-    p.add_argument("--generator-config", default="smollm2-135m",
-                   help=f"config.json path, model folder, or one of {', '.join(BUILTIN_CONFIGS)}")
-    p.add_argument("--verifier-config", default="smollm2-135m", help="as --generator-config")
-    p.add_argument("--target-config", default=None, help="RSD's target model, as --generator-config (optional)")
-    p.add_argument("--target-share", type=float, default=0.35,
-                   help="fraction of steps the target rewrites (default 0.35)")
-    p.add_argument("--n", type=int, default=16, help="beams per step (N)")
-    p.add_argument("--prompt-len", type=int, default=256, help="context tokens per beam before the step")
-    p.add_argument("--decode-len", type=int, default=128, help="tokens generated per beam per step")
-    p.add_argument("--min-tokens", type=int, default=None,
-                   help="longest request every runtime must hold (default: prompt-len + decode-len)")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="KV-cache budget M in GiB (default: 90%% of device memory minus all models' weights)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
-                   help="weights and KV dtype (default: float32 on this-machine, else each config's torch_dtype)")
-    p.add_argument("--bench", action="store_true", help="also time the planner at n = 16 ... 1024")
-    p.set_defaults(func=_handle_plan_memory)
-    return p

@@ -25,7 +25,8 @@ BALANCE_ABS_THRESHOLD = 8
 
 
 def router_command(config: RuntimeConfig, port: int, worker_urls: list[str], prometheus_port: int) -> list[str]:
-    """The router's command line; `config.router_args` come last, so they override (argparse keeps the last)."""
+    """The router's command line; `config.router_args` come last, so they override (the router's parser keeps
+    the last value of a flag)."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", config.host, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", ROUTING_POLICY,
             "--balance-abs-threshold", str(BALANCE_ABS_THRESHOLD), "--prometheus-port", str(prometheus_port),

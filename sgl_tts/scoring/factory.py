@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from sgl_tts.registry import Registry
 from sgl_tts.scoring.base import StepScorer
-from sgl_tts.scoring.config import KINDS, ScorerConfig
+from sgl_tts.scoring.scorer_config import KINDS, ScorerConfig
 from sgl_tts.scoring.likelihood import LikelihoodScorer
 from sgl_tts.scoring.prm import ClassifierPRMScorer, MathShepherdScorer, RLHFlowScorer, SkyworkPRMScorer
 from sgl_tts.scoring.probe import ProbeScorer

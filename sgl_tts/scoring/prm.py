@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from sgl_tts.runtime.server import RuntimeConfig, http_json, request_timeout
 from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 
 
 def classifier_runtime_config(model: str, cached: bool = False, **overrides: Any) -> RuntimeConfig:

@@ -30,7 +30,7 @@ from typing import Any, Literal, Sequence
 from sgl_tts.runtime.models import register_builtin_model
 from sgl_tts.runtime.server import http_json, request_timeout
 from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
-from sgl_tts.scoring.config import ScorerConfig
+from sgl_tts.scoring.scorer_config import ScorerConfig
 
 Pooling = Literal["last", "mean"]
 POOLINGS = ("last", "mean")

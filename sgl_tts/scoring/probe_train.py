@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import time
@@ -248,50 +247,42 @@ def train(solutions: Sequence[LabelledSolution], features: StepFeatures, layers:
     return result, table
 
 
-def cmd_train_prm(args: argparse.Namespace) -> int:
+def train_prm(*, data: str | None = None, base_model: str = "smollm2-135m",
+              layers: Sequence[int] = DEFAULT_LAYERS, l2: Sequence[float] = DEFAULT_L2, seed: int = 0,
+              solutions: int | None = None, workers: int = 1, out: str | Path = DEFAULT_HEAD) -> Path:
+    """Train the probe head on the step-labelled solutions of `data` (default: the shared processbench-math set),
+    the first `solutions` of the seeded order (all when None), choosing among `layers` x pooling x `l2`; write
+    it to `out` and return that path."""
     import torch
 
     from sgl_tts.paths import cache_dir
     from sgl_tts.runtime.models import resolve_model
 
-    torch.manual_seed(args.seed)
-    solutions = training_order(load_labelled(args.data), args.solutions, args.seed)
-    base_dir = resolve_model(args.base_model)
+    torch.manual_seed(seed)
+    ordered = training_order(load_labelled(data), solutions, seed)
+    base_dir = resolve_model(base_model)
     began = time.monotonic()
-    features = features_for(base_dir, solutions, args.layers, cache_dir(), workers=args.workers)
-    print(f"features: {len(features.correct)} labelled steps of {len(solutions)} solutions "
+    features = features_for(base_dir, ordered, layers, cache_dir(), workers=workers)
+    print(f"features: {len(features.correct)} labelled steps of {len(ordered)} solutions "
           f"in {time.monotonic() - began:.0f} s", flush=True)
-    result, table = train(solutions, features, args.layers, args.l2)
+    result, table = train(ordered, features, layers, l2)
     metrics = {key: result[key] for key in ("l2", "threshold", "heldout", "heldout_threshold_0.5",
                                             "train_solutions", "train_steps")}
-    head = ProbeHead(base_model=args.base_model, layer=result["layer"], pooling=result["pooling"],
+    trained_by = train_command(base_model=base_model, layers=layers, l2=l2, seed=seed, solutions=solutions, data=data)
+    head = ProbeHead(base_model=base_model, layer=result["layer"], pooling=result["pooling"],
                      weight=tuple(round(float(v), 9) for v in result["weight"]), bias=round(float(result["bias"]), 9),
-                     trained_by=train_command(args), metrics={**metrics, "selection": table})
-    path = head.save(args.out)
+                     trained_by=trained_by, metrics={**metrics, "selection": table})
+    path = head.save(out)
     print(json.dumps({"head": str(path), "layer": head.layer, "pooling": head.pooling, **metrics}, indent=1))
     print(f"done in {time.monotonic() - began:.0f} s")
-    return 0
+    return path
 
 
-def train_command(args: argparse.Namespace) -> str:
+def train_command(*, base_model: str, layers: Sequence[int], l2: Sequence[float], seed: int,
+                  solutions: int | None = None, data: str | None = None) -> str:
     """The command line that reproduces this head (the data path is left out when it is the default)."""
-    parts = ["sgl-tts train prm", f"--base-model {args.base_model}", "--layers", *map(str, args.layers),
-             "--l2", *map(str, args.l2), f"--seed {args.seed}"]
-    if args.solutions is not None:
-        parts.append(f"--solutions {args.solutions}")
-    return " ".join(parts + ([f"--data {args.data}"] if args.data else []))
-
-
-def add_train_parser(commands: Any) -> None:
-    train_parser = commands.add_parser("train", help="train verifiers")
-    train_commands = train_parser.add_subparsers(dest="train", required=True)
-    prm = train_commands.add_parser("prm", help="train the probe PRM head on step-labelled solutions (CPU)")
-    prm.add_argument("--data", help="ProcessBench-format JSONL (default: the shared processbench-math set)")
-    prm.add_argument("--base-model", default="smollm2-135m", help="the Llama model whose hidden states it reads")
-    prm.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS), help="candidate layers")
-    prm.add_argument("--l2", type=float, nargs="+", default=list(DEFAULT_L2), help="candidate L2 strengths")
-    prm.add_argument("--seed", type=int, default=0, help="seed of the solution order (and torch)")
-    prm.add_argument("--solutions", type=int, help="only the first SOLUTIONS of the seeded order (default: all)")
-    prm.add_argument("--workers", type=int, default=1, help="feature-extraction processes (one thread each)")
-    prm.add_argument("--out", default=str(DEFAULT_HEAD), help="where to write the head (JSON)")
-    prm.set_defaults(func=cmd_train_prm)
+    parts = ["sgl-tts train prm", f"--base-model {base_model}", "--layers", *map(str, layers),
+             "--l2", *map(str, l2), f"--seed {seed}"]
+    if solutions is not None:
+        parts.append(f"--solutions {solutions}")
+    return " ".join(parts + ([f"--data {data}"] if data else []))

@@ -15,12 +15,13 @@ import sglang as sgl
 
 from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.frontend.ledger import RequestLedger
-from sgl_tts.frontend.sglang_internals import backend_of, settle_failed_states, wait_meta
+from sgl_tts.frontend.sglang_internals import bind_search, settle_failed_states, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
-from sgl_tts.search.grading import extract_answer
+from sgl_tts.search.confidence import token_confidence
+from sgl_tts.search.context import SearchContext
+from sgl_tts.search.grading import answer_at_end, extract_answer
 from sgl_tts.search.records import Candidate, SearchResult
-from sgl_tts.search.tree import SearchTree
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -45,6 +46,9 @@ class SearchConfig:
     adaptive_granularity: bool = False  # varying_granularity: double g while verification does not separate
     granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
     record_tree: bool = False  # put the scored search tree in the result (extra["tree"], sgl_tts.search.tree)
+    # The program's own settings: its `Settings` instance, given as a mapping in YAML and validated against the
+    # program's `Settings` on load (sgl_tts.search.programs.program_settings); None for a program without any.
+    settings: Any = None
 
     def __post_init__(self) -> None:
         for name in ("n", "beam_width", "max_steps", "max_step_tokens", "max_tokens"):
@@ -67,29 +71,32 @@ class SearchConfig:
             raise ValueError(f"granularity_margin must be in [0, 1], got {self.granularity_margin}")
 
 
+def settings_of(config: SearchConfig, settings_class: type, program: str) -> Any:
+    """The program's own settings in `config` (its `Settings` defaults when none are given)."""
+    settings = settings_class() if config.settings is None else config.settings
+    if not isinstance(settings, settings_class):
+        raise ValueError(f"search.settings must be the {program} program's Settings, got {type(settings).__name__} "
+                         "(a mapping is validated on load: sgl_tts.search.programs.program_settings)")
+    return settings
+
+
 @dataclass
 class Runtimes:
-    """What a program runs on: a frontend backend for generation and a step scorer for verification."""
+    """What a program runs on, shared by every search: a frontend backend for generation, a step scorer for
+    verification, and how a search's step extension is made (FastTTS S, set by the session when S is on)."""
 
     generator: Any  # sglang BaseBackend (TTSEndpoint on a real runtime, a scripted fake in tests)
     scorer: StepScorer | None
     prompt: Callable[[str], str]  # question -> prompt text in the generator's chat format
     target: Any = None  # a second generator backend (RSD's target model)
-    extras: dict[str, Any] = field(default_factory=dict)
+    target_prompt: Callable[[str], str] | None = None  # question -> prompt in the target's chat format (None: prompt)
+    extension_factory: Callable[[SearchContext], Any] | None = None
 
-    def for_run(self, seed: int | None = None, label: str | None = None) -> "Runtimes":
-        """These runtimes as one search sees them: backends with their own ledger, step extension and seed
-        (`SearchBackend.for_run`); a plain SGLang backend is used as it is."""
-        def view(backend: Any) -> Any:
-            return backend.for_run(seed, label) if hasattr(backend, "for_run") else backend
-
-        return dataclasses.replace(self, generator=view(self.generator),
-                                   target=None if self.target is None else view(self.target))
-
-    @property
-    def ledger(self) -> RequestLedger | None:
-        """The generator's accounting for this search (set on a `for_run` view)."""
-        return getattr(self.generator, "ledger", None)
+    def new_search(self, config: "SearchConfig", label: str = "search", observers: Sequence[Callable] = (),
+                   scoring_observers: Sequence[Callable] = ()) -> SearchContext:
+        """The context of one new search on these runtimes: the one place a search's state is made."""
+        return SearchContext(config, label=str(label), seed=config.seed, extension_factory=self.extension_factory,
+                             observers=observers, scoring_observers=scoring_observers)
 
 
 @dataclass
@@ -115,73 +122,29 @@ class Path:
         return "".join(self.steps)
 
 
-class SearchTracker:
-    """Splits one search's wall time into generator and verifier time and counts its tokens.
 
-    With a `ledger` (the generator backend's, for this search) the token counts are the server's own, for
-    every request the search sent; `record` is for programs that count by hand (RSD, whose step cache
-    replays work without requests).
-    """
-
-    def __init__(self, config: SearchConfig, ledger: RequestLedger | None = None):
-        self.config = config
-        self.ledger = ledger
-        self.start = time.monotonic()
-        self._generated_tokens = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self.generator_time_s = 0.0
-        self.verifier_time_s = 0.0
-        self.iterations = 0
-        self.verifier_calls = 0
-        self.tree = SearchTree()
-        self.extra: dict[str, Any] = {}  # program-specific counts for the result's `extra`
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def record(self, tokens: int, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
-        """Count work by hand (only without a ledger, which counts every request itself)."""
-        assert self.ledger is None, "a tracker with a ledger counts from the server's meta_info"
-        self._generated_tokens += tokens
-        self._prompt_tokens += prompt_tokens
-        self._cached_tokens += cached_tokens
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.ledger.completion_tokens if self.ledger is not None else self._generated_tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.ledger.prompt_tokens if self.ledger is not None else self._prompt_tokens
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.ledger.cached_tokens if self.ledger is not None else self._cached_tokens
-
-    def score(self, scorer: StepScorer, prompt: str, paths: Sequence[Path]) -> None:
-        """Score every step of `paths` in one batched scorer call; writes `step_scores`."""
-        if not paths:
-            return
-        began = time.monotonic()
-        scored = scorer.score_counted(prompt, [p.steps for p in paths])
-        scores = scored.scores
-        seconds = time.monotonic() - began
-        self.verifier_time_s += seconds
-        self.verifier_calls += 1
-        # per verification: paths, steps scored, the verifier's input and radix-cached tokens, its time
-        self.extra.setdefault("verifier_iterations", []).append({**scored.counts.as_dict(), "time_s": seconds})
-        for path, path_scores in zip(paths, scores):
-            assert len(path_scores) == len(path.steps), "scorer must return one score per step"
-            path.step_scores = list(path_scores)
-            self.tree.add(path.steps, path.step_scores, path.extra.get("head_start_tokens", 0))
+def top_logprobs_request(logprobs: int) -> dict[str, Any]:
+    """sgl.gen keywords that ask for each output token's `logprobs` most likely tokens (none when 0)."""
+    if logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+    return {"return_logprob": True, "top_logprobs_num": logprobs} if logprobs else {}
 
 
-def step_gen(config: SearchConfig, path: Path, name: str = "step"):
-    """The sgl.gen expression for the next step of `path`, within its token budget."""
+def step_gen(config: SearchConfig, path: Path, name: str = "step", logprobs: int = 0):
+    """The sgl.gen expression for the next step of `path`, within its token budget; with `logprobs` > 0 the
+    step's meta info carries that many top logprobs per token."""
     budget = max(1, min(config.max_step_tokens, config.max_tokens - path.tokens))
     return sgl.gen(name, max_tokens=budget, stop=config.step_delimiter,
-                   temperature=config.temperature, top_p=config.top_p)
+                   temperature=config.temperature, top_p=config.top_p, **top_logprobs_request(logprobs))
+
+
+def record_token_confidences(path: Path, meta: dict[str, Any]) -> None:
+    """Extend path.extra["token_confidences"] with the confidence of every token the request generated, when its
+    meta info carries top logprobs (SGLang's `output_top_logprobs`: per token, [(logprob, id, text), ...])."""
+    top_logprobs = meta.get("output_top_logprobs")
+    if top_logprobs:
+        path.extra.setdefault("token_confidences", []).extend(
+            token_confidence([entry[0] for entry in position]) for position in top_logprobs)
 
 
 def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
@@ -195,49 +158,56 @@ def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
     return "eos"
 
 
-def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
-           extract_answer: Callable[[str], str | None]) -> list[Path]:
+def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
+           extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
     """Fork each (path, k) k times and generate one step in every child, all concurrently.
 
-    Returns the children in (parent order, fork order). When the backend carries a step extension for this
-    run (FastTTS speculative beam extension, switched on in the run config) the extension does the
-    iteration, with head starts from speculation; the children are the same kind either way.
+    With `logprobs` > 0 every step asks for that many top logprobs per token and each child carries the
+    confidences of all its tokens so far in extra["token_confidences"] (`record_token_confidences`).
+
+    Returns the children in (parent order, fork order). When the search has a step extension (FastTTS
+    speculative beam extension, switched on in the run config) the extension does the iteration, with head
+    starts from speculation; the children are the same kind either way.
     """
     parents = [(parent, count) for parent, count in parents if count > 0]
     if not parents:
         return []
     began = time.monotonic()
-    extension = getattr(backend_of(parents[0][0].state), "extension", None)
+    for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
+        bind_search(parent.state, tracker)
+    extension = tracker.extension
     if extension is not None:
-        children = extension.expand(parents, config, tracker, extract_answer)
+        children = extension.expand(parents, config, tracker, extract_answer, logprobs=logprobs)
     else:
-        children = expand_plainly(parents, config, tracker, extract_answer)
+        children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
     tracker.generator_time_s += time.monotonic() - began
     tracker.iterations += 1
     return children
 
 
-def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchTracker,
-                   extract_answer: Callable[[str], str | None]) -> list[Path]:
+def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
+                   extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
     """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
     is committed and pre-sent to the radix cache (docs/sglang.md)."""
     pending = []
     for index, (parent, count) in enumerate(parents):
         parent.state.text()
         for fork in parent.state.fork(count):
-            fork += step_gen(config, parent)
+            fork += step_gen(config, parent, logprobs=logprobs)
             pending.append((index, parent, fork))
     children = []
     for index, parent, fork in pending:
         meta = wait_meta(fork, "step")
         child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=index)
+        if "token_confidences" in parent.extra:
+            child.extra["token_confidences"] = list(parent.extra["token_confidences"])
         append_step(child, fork["step"], meta, config, tracker, extract_answer)
         children.append(child)
     return children
 
 
-def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchTracker,
+def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchContext,
                 extract_answer: Callable[[str], str | None]) -> None:
     """Add one generated step to `path` and decide whether the path is finished."""
     ended = finish_reason_of(meta, config.step_delimiter)
@@ -248,11 +218,20 @@ def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfi
         path.state += config.step_delimiter
     path.steps.append(text)
     path.tokens += int(meta.get("completion_tokens", 0))
-    answer = extract_answer(text)
+    record_token_confidences(path, meta)
+    settle_step(path, ended, config, tracker, extract_answer)
+
+
+def settle_step(path: Path, ending: str, config: SearchConfig, tracker: SearchContext,
+                extract_answer: Callable[[str], str | None]) -> None:
+    """Decide whether `path` is finished now that its newest step ended with `ending` ('step', 'eos' or
+    'length'): an answer in the step, the end of the solution, or a token or step limit."""
+    answer = extract_answer(current_step(path.steps, config.step_delimiter))
     if answer is not None:
         path.answer = answer
         finish(path, "answer", tracker)
-    elif ended == "eos":
+    elif ending == "eos":  # the model ended the solution: its answer may stand unmarked at the end
+        path.answer = answer_at_end(path.text, extract_answer)
         finish(path, "eos", tracker)
     elif path.tokens >= config.max_tokens:
         finish(path, "max_tokens", tracker)
@@ -260,7 +239,16 @@ def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfi
         finish(path, "max_steps", tracker)
 
 
-def finish(path: Path, reason: str, tracker: SearchTracker) -> None:
+def current_step(steps: Sequence[str], delimiter: str) -> str:
+    """The last step as written: the last piece joined with the pieces before it that a token limit cut off
+    (they do not end at the delimiter), so that an answer phrase split by the cut is seen whole."""
+    start = len(steps) - 1
+    while start > 0 and not steps[start - 1].endswith(delimiter):
+        start -= 1
+    return "".join(steps[start:])
+
+
+def finish(path: Path, reason: str, tracker: SearchContext) -> None:
     if path.finish_reason is None:
         path.finish_reason = reason
         path.finish_time_s = tracker.elapsed()
@@ -283,7 +271,7 @@ def rank_key(path: Path | Candidate, aggregation: str) -> tuple[float, str]:
 
 
 def build_result(problem_id: str, program: str, paths: Sequence[Path], config: SearchConfig,
-                 tracker: SearchTracker, error: str | None = None, extra: dict[str, Any] | None = None
+                 tracker: SearchContext, error: str | None = None, extra: dict[str, Any] | None = None
                  ) -> SearchResult:
     """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
     selection's tie-breaks do not depend on which request finished first), the selected answer, counts."""
@@ -328,17 +316,17 @@ RUNTIME_FAILURES = (ScorerError, RuntimeDiedError, GeneratorError)  # what a pro
 
 
 def search_failed(problem_id: str, program: str, finished: Sequence[Path], config: SearchConfig,
-                  tracker: SearchTracker, exc: BaseException) -> SearchError:
+                  tracker: SearchContext, exc: BaseException) -> SearchError:
     """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
     settle_failed_states()
     message = f"{program} stopped: {exc}"
     return SearchError(message, build_result(problem_id, program, finished, config, tracker, error=message))
 
 
-def start_search(runtimes: Runtimes, config: SearchConfig, label: str = "search") -> tuple[Runtimes, SearchTracker]:
-    """The runtimes as this search sees them (`Runtimes.for_run`) and its tracker, counting from its ledger."""
-    runtimes = runtimes.for_run(config.seed, label)
-    return runtimes, SearchTracker(config, runtimes.ledger)
+def start_search(runtimes: Runtimes, config: SearchConfig, label: str = "search",
+                 context: SearchContext | None = None) -> SearchContext:
+    """The search's context: `context` when the caller started the search, else a new one."""
+    return context if context is not None else runtimes.new_search(config, label)
 
 
 def fill_in_counts(result: SearchResult, ledger: RequestLedger | None) -> SearchResult:
@@ -351,7 +339,7 @@ def fill_in_counts(result: SearchResult, ledger: RequestLedger | None) -> Search
 
 
 def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,
-               needs_scorer: bool = True, **arguments: Any) -> SearchResult:
+               needs_scorer: bool = True, context: SearchContext | None = None, **arguments: Any) -> SearchResult:
     """Run the `@sgl.function` `program(s, prompt, config, runtimes, tracker, finished, **arguments)` and
     build the result from the paths it returns.
 
@@ -360,19 +348,20 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
     """
     if needs_scorer and runtimes.scorer is None:
         raise ValueError(f"{name} needs a scorer: set 'scorer' in the config")
-    runtimes, tracker = start_search(runtimes, config, problem.id)
+    tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
     finished: list[Path] = []
     try:
-        state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker, finished=finished,
-                            backend=runtimes.generator, **arguments)
+        with tracker.running():
+            state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker,
+                                finished=finished, backend=runtimes.generator, **arguments)
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
     return build_result(problem.id, name, state.ret_value, config, tracker)
 
 
-def run_plain_program(function: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes
-                      ) -> SearchResult:
+def run_plain_program(function: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,
+                      context: SearchContext | None = None) -> SearchResult:
     """Run a plain SGLang program: an `@sgl.function` that knows nothing of sgl-tts.
 
     Its arguments are filled by name from `question` (the problem text), `prompt` (the question in the
@@ -384,7 +373,7 @@ def run_plain_program(function: Any, problem: Any, name: str, config: SearchConf
     """
     import inspect
 
-    runtimes, tracker = start_search(runtimes, config, problem.id)
+    tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
     # SglFunction.run keeps its sampling keywords (n, temperature, top_p, max_new_tokens, ...) for itself:
     # they cannot be program arguments, and the config's sampling settings become the run's defaults.
@@ -397,8 +386,9 @@ def run_plain_program(function: Any, problem: Any, name: str, config: SearchConf
         raise ValueError(f"program {name!r} takes {', '.join(missing)}: a plain program's arguments are named "
                          f"from {', '.join(available)} (SGLang's run() keeps {', '.join(sorted(reserved & {'n', 'temperature', 'top_p'}))})")
     try:
-        state = function.run(backend=runtimes.generator, temperature=config.temperature, top_p=config.top_p,
-                             **{arg: available[arg] for arg in wanted})
+        with tracker.running():
+            state = function.run(backend=runtimes.generator, temperature=config.temperature, top_p=config.top_p,
+                                 **{arg: available[arg] for arg in wanted})
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, name, [], config, tracker, exc) from exc
     returned = state.ret_value
@@ -408,8 +398,7 @@ def run_plain_program(function: Any, problem: Any, name: str, config: SearchConf
         text = str(text)
         whole = text if text.startswith(prompt) else None
         solution = text[len(prompt):] if whole is not None else text
-        tokens, answered_at = (tracker.ledger.path_of(whole or prompt + solution) if tracker.ledger is not None
-                               else (0, None))
+        tokens, answered_at = tracker.ledger.path_of(whole or prompt + solution)
         path = Path(state=None, steps=split_steps(solution, config.step_delimiter, config.max_steps), tokens=tokens,
                     answer=extract_answer(solution))
         path.finish_reason = "answer" if path.answer is not None else "eos"

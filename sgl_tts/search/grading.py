@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -53,6 +54,8 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is\s*:?[ \t]*([^\n]*)", re.IGNORECASE)
 _NUMBER_AMONG_WORDS = re.compile(r"(?:[A-Za-z]+\s+)*(-?[\d,]*\.?\d+)(?:\s+[A-Za-z][A-Za-z\s]*)?")
+_IS_THE_ANSWER = re.compile(r"(-?[\d,]*\.?\d+)\s+is\s+(?:the|our)\s+(?:final\s+)?answer", re.IGNORECASE)
+_NUMBER = re.compile(r"(?<![A-Za-z_\d])-?\d[\d,]*(?:\.\d+)?")  # not the digits of a word such as "w12"
 _SENTENCE_END = re.compile(r"\.\s")
 
 
@@ -116,7 +119,8 @@ def extract_answer(text: str | None) -> str | None:
     """The final answer in `text`, or None.
 
     In order of preference: the last complete `\\boxed{...}` (nested braces allowed), the last GSM8K-style
-    `#### X`, the last "The (final) answer is X". Returns the answer as written (LaTeX kept).
+    `#### X`, the last "The (final) answer is X", the last "X is the (final) answer". Returns the answer as
+    written (LaTeX kept).
     """
     if not text:
         return None
@@ -129,7 +133,22 @@ def extract_answer(text: str | None) -> str | None:
             answer = _clean_phrase_answer(raw)
             if answer is not None:
                 return answer
-    return None
+    stated_last = _IS_THE_ANSWER.findall(text)
+    return stated_last[-1].replace(",", "") if stated_last else None
+
+
+def answer_at_end(text: str | None, extract: Callable[[str], str | None] | None = None) -> str | None:
+    """The answer of a solution the model ended by itself (end of sequence): `extract_answer`'s, else the last
+    number of its last non-empty line ("So, 4 + 3 = 7." -> "7"). Small models often end with the result
+    without a marked answer; a solution cut off by a token or step limit has no answer this way (its last
+    number is wherever the cut fell), so use this only for solutions that ended. `extract`: the marked-answer
+    extractor (default `extract_answer`)."""
+    answer = (extract or extract_answer)(text) if text else None
+    if answer is not None or not text:
+        return answer
+    lines = [line for line in text.splitlines() if line.strip()]
+    numbers = _NUMBER.findall(lines[-1]) if lines else []
+    return numbers[-1].replace(",", "") if numbers else None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,20 +5,29 @@ module whose one `@sgl.function` (or the one named `program`) is run by `run_pla
 in the `programs/` package is a program named after its file; a config may also name any importable module
 (`package.module`) or a file path (`path/to/my_search.py`). The `programs` package is found by name, not
 imported here: it is the layer above this one.
+
+A program module may also declare `Settings`, a frozen dataclass of its own settings (the run config's
+`search.settings:` mapping, validated against it here; the program reads the instance as `config.settings`),
+and `RUNTIMES`, the runtimes it needs besides the generator (names from `RUNTIME_NAMES`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import inspect
 import importlib.util
 import pkgutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
+
+from sgl_tts.config import ConfigError, load_dataclass
 
 PROGRAMS_PACKAGE = "programs"
+RUNTIME_NAMES = ("scorer", "target")  # what a program may need besides the generator: `Runtimes` fields
 
 ProgramFn = Callable[..., object]
 
@@ -43,8 +52,8 @@ def _load_file(path: Path) -> ModuleType:
     return module
 
 
-def load_program(name: str) -> ProgramFn:
-    """The `run` function of program `name`; an unknown name lists the known ones."""
+def program_module(name: str) -> ModuleType:
+    """The module of program `name`; an unknown name lists the known ones."""
     if name.endswith(".py"):
         path = Path(name)
         if not path.is_file():
@@ -59,9 +68,17 @@ def load_program(name: str) -> ProgramFn:
             raise KeyError(f"program module {name!r} cannot be imported") from None
     else:
         raise KeyError(f"unknown program {name!r}; known programs: {', '.join(program_names())}")
+    return module
+
+
+def load_program(name: str) -> ProgramFn:
+    """The `run` function of program `name`; an unknown name lists the known ones."""
+    module = program_module(name)
     run = getattr(module, "run", None)
     if callable(run):
-        return run
+        if "context" in inspect.signature(run).parameters:
+            return run
+        return functools.partial(_run_in_own_context, run)  # run(problem, config, runtimes): starts its own search
     function = plain_function(module)
     if function is None:
         raise KeyError(f"program {name!r} ({module.__name__}) has no run(problem, config, runtimes) function and "
@@ -72,8 +89,13 @@ def load_program(name: str) -> ProgramFn:
 
 
 def _run_plain(runner: Callable[..., object], function: object, name: str, problem: object, config: object,
-               runtimes: object) -> object:
-    return runner(function, problem, name, config, runtimes)
+               runtimes: object, context: object = None) -> object:
+    return runner(function, problem, name, config, runtimes, context)
+
+
+def _run_in_own_context(run: Callable[..., object], problem: object, config: object, runtimes: object,
+                        context: object = None) -> object:
+    return run(problem, config, runtimes)
 
 
 def plain_function(module: ModuleType) -> object | None:
@@ -85,6 +107,44 @@ def plain_function(module: ModuleType) -> object | None:
     if "program" in functions:
         return functions["program"]
     return next(iter(functions.values())) if len(functions) == 1 else None
+
+
+def program_settings(name: str, settings: Any, where: str = "<config>", key: str = "search.settings") -> Any:
+    """Program `name`'s own settings: its `Settings` dataclass built from `settings` (a mapping, as in YAML, an
+    instance, or None for the defaults), with the config loader's errors naming `key.<field>` and `where`.
+    A program without `Settings` takes none: None, or a ConfigError."""
+    settings_class = getattr(program_module(name), "Settings", None)
+    if settings_class is None:
+        if settings is None or settings == {}:
+            return None
+        raise ConfigError(f"{where}: program {name!r} takes no settings, got '{key}': {settings!r}")
+    if type(settings) is settings_class:
+        return settings
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        settings = dataclasses.asdict(settings)  # another load of the same file, or another program's settings
+    return load_dataclass(settings_class, settings, where, prefix=key + ".")
+
+
+def with_program_settings(search: Any, where: str = "<config>", key: str = "search.settings") -> Any:
+    """The search config `search` with its `settings` made its program's (`program_settings`)."""
+    return dataclasses.replace(search, settings=program_settings(search.program, search.settings, where, key))
+
+
+def program_runtimes(name: str) -> tuple[str, ...]:
+    """The runtimes program `name` needs besides the generator (its `RUNTIMES`), each a `Runtimes` field."""
+    needed = tuple(getattr(program_module(name), "RUNTIMES", ()))
+    unknown = [runtime for runtime in needed if runtime not in RUNTIME_NAMES]
+    if unknown:
+        raise KeyError(f"program {name!r} declares unknown runtime {unknown[0]!r} in RUNTIMES; "
+                       f"known: {', '.join(RUNTIME_NAMES)}")
+    return needed
+
+
+def program_decoded_paths(name: str, config: Any, concurrency: int) -> int | None:
+    """Sequences one step of `concurrency` searches of program `name` decodes at once, when the program says
+    (`decoded_paths(config, concurrency)`); None for the default of the memory plan (config.n)."""
+    decoded_paths = getattr(program_module(name), "decoded_paths", None)
+    return decoded_paths(config, concurrency) if decoded_paths is not None else None
 
 
 def program_summary(name: str) -> str:

@@ -7,7 +7,6 @@ per-step scores, and the token and timing counts the metrics are computed from.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,12 +80,3 @@ class SearchResult:
         data = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}}
         data["candidates"] = [Candidate(**c) for c in data.get("candidates", [])]
         return cls(**data)
-
-
-def parse_json_object(line: bytes) -> dict[str, Any]:
-    """One JSONL line as a dict; ValueError (JSONDecodeError and UnicodeDecodeError are ValueErrors) when it
-    is not UTF-8 JSON or not an object."""
-    record = json.loads(line.decode("utf-8"))
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    return record

@@ -1,6 +1,6 @@
 """The search tree one search grew, as the verifier saw it: each scored step a node with its score.
 
-`SearchTracker` adds every path it scores; a child's steps extend its parent's, so each step prefix is one
+`SearchContext.score` adds every path it scores; a child's steps extend its parent's, so each step prefix is one
 node. When the search config asks for it (`record_tree`), the result carries the tree (`extra["tree"]`):
 nodes with their parent, depth, step text, score, the speculative head start the step began with (FastTTS),
 and for the paths that ended, how they ended and whether their answer is the selected one.

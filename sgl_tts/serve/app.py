@@ -20,7 +20,7 @@ from sgl_tts.config import ConfigError
 from sgl_tts.serve.protocol import (EXTENSION, RequestError, answer_chunks, chunk, completion, error_body,
                                     parse_chat_request)
 from sgl_tts.serve.service import Busy, SearchJob, SearchService
-from sgl_tts.serve.tracking import SearchCancelled
+from sgl_tts.search.context import SearchCancelled
 
 RETRY_AFTER_S = 1
 KEEP_ALIVE_S = 15.0  # an SSE comment this often while a streamed search has nothing to report

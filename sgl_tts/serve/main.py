@@ -6,9 +6,7 @@ from the start), in the foreground (`serve_forever`) or on a thread (`start`, fo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -74,10 +72,11 @@ class HTTPServer:
 def session_service(session: Any, max_searches: int | None = None) -> Any:
     """The SearchService on a started Session: its runtimes, its search config as the defaults, and the run
     config's rules for a request's search settings."""
+    from sgl_tts.app.session import checked_program
     from sgl_tts.serve.service import SearchService
 
     def validate(search: Any) -> None:
-        dataclasses.replace(session.config, search=search)  # RunConfig.__post_init__ checks the program's rules
+        checked_program(dataclasses.replace(session.config, search=search), "request", "settings")
 
     return SearchService(session.search_runtimes, session.config.search,
                          max_searches or session.config.concurrency, validate=validate)
@@ -101,25 +100,3 @@ def serve(config_path: str, serve_config: ServeConfig) -> int:
         finally:
             service.close()
     return 0
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from sgl_tts.config import ConfigError
-
-    try:
-        serve_config = ServeConfig(host=args.host, port=args.port, max_searches=args.max_searches,
-                                   api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
-    except ValueError as exc:
-        raise ConfigError(f"sgl-tts serve: {exc}") from None
-    return serve(args.config, serve_config)
-
-
-def add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="OpenAI-compatible HTTP endpoint that answers with a search")
-    parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML)")
-    parser.add_argument("--host", default=LOCALHOST, help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
-    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})")
-    parser.add_argument("--max-searches", type=int,
-                        help="searches in flight before answering 429 (default: the config's concurrency)")
-    parser.set_defaults(func=_cmd_serve)

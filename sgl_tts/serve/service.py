@@ -8,7 +8,6 @@ are aborted on the runtime (`POST /abort_request` by rid on every server behind 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -22,9 +21,9 @@ from sgl_tts.problems import Problem
 from sgl_tts.runtime.server import abort_requests
 from sgl_tts.scoring.base import aggregate
 from sgl_tts.search.api import Runtimes, SearchConfig
-from sgl_tts.search.programs import load_program, program_names
+from sgl_tts.search.programs import load_program, program_names, with_program_settings
 from sgl_tts.search.records import SearchResult
-from sgl_tts.serve.tracking import CancellableBackend, ObservedScorer
+from sgl_tts.search.context import SearchContext
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -41,18 +40,13 @@ class SearchJob:
     program: str
     search: SearchConfig
     question: str
-    runtimes: Runtimes | None = None  # the shared runtimes seen through this job's proxies
-    backend: CancellableBackend | None = None
-    target_backend: CancellableBackend | None = None
+    context: SearchContext | None = None  # the search's state: its requests in flight, cancellation
     future: Future = field(default_factory=Future)
     started_s: float = field(default_factory=time.monotonic)
     generated_tokens: int = 0  # so far, for progress
     rounds: int = 0  # scoring rounds so far
     on_progress: ProgressCallback | None = None
     aborted: threading.Event = field(default_factory=threading.Event)  # set once a cancel's aborts are sent
-
-    def backends(self) -> list[CancellableBackend]:
-        return [b for b in (self.backend, self.target_backend) if b is not None]
 
 
 class SearchService:
@@ -86,11 +80,18 @@ class SearchService:
             raise ConfigError(f"request: unknown model (program) {program!r}; known: {', '.join(self.programs)}")
         if "program" in settings:
             raise ConfigError("request: unknown field 'program'; the program is chosen by 'model'")
-        merged = {**to_dict(self.default_search), **settings, "program": program}
-        search = load_dataclass(SearchConfig, merged, source="request")
+        defaults = to_dict(self.default_search)
+        if program != self.default_search.program:
+            defaults["settings"] = None  # the server's program settings are not this program's
+        merged = {**defaults, **settings, "program": program}
+        if isinstance(defaults["settings"], dict) and isinstance(settings.get("settings"), dict):
+            merged["settings"] = {**defaults["settings"], **settings["settings"]}  # only the named keys change
+        search = with_program_settings(load_dataclass(SearchConfig, merged, source="request"), "request", "settings")
         if self.validate is not None:
             try:
                 self.validate(search)
+            except ConfigError:
+                raise
             except ValueError as exc:
                 raise ConfigError(f"request: {exc}") from exc
         return search
@@ -108,7 +109,7 @@ class SearchService:
             self.counts["in_flight"] += 1
             self.jobs[job.id] = job
         try:
-            job.runtimes = self._job_runtimes(job)  # before the job can be cancelled
+            job.context = self._new_context(job)  # before the job can be cancelled
             job.future = self._pool.submit(self._run, job)
         except BaseException:
             self._finished(job, "failed")
@@ -142,14 +143,12 @@ class SearchService:
             self.counts["in_flight"] -= 1
             self.counts[outcome] += 1
             self.jobs.pop(job.id, None)
-            self.counts["aborted_requests"] += sum(b.aborted_requests for b in job.backends())
+            self.counts["aborted_requests"] += job.context.aborted_requests if job.context is not None else 0
         self._slots.release()
 
-    def _job_runtimes(self, job: SearchJob) -> Runtimes:
-        shared = self.runtimes
-
-        def generated(meta: dict[str, Any]) -> None:
-            job.generated_tokens += int(meta.get("completion_tokens", 0))
+    def _new_context(self, job: SearchJob) -> SearchContext:
+        def generated(request: Any) -> None:
+            job.generated_tokens += request.completion_tokens
 
         def scored(scores: list[list[float]]) -> None:
             job.rounds += 1
@@ -159,25 +158,17 @@ class SearchService:
                                  "best_score": best, "generated_tokens": job.generated_tokens,
                                  "elapsed_s": round(time.monotonic() - job.started_s, 3)})
 
-        job.backend = CancellableBackend(shared.generator, job.id, generated)
-        target = shared.target
-        if target is shared.generator:
-            target = job.backend
-        elif target is not None:
-            job.target_backend = target = CancellableBackend(target, job.id + "-target", generated)
-        scorer = ObservedScorer(shared.scorer, scored) if shared.scorer is not None else None
-        return dataclasses.replace(shared, generator=job.backend, scorer=scorer, target=target,
-                                   extras=dict(shared.extras))
+        return self.runtimes.new_search(job.search, job.id, observers=[generated], scoring_observers=[scored])
 
     def _run(self, job: SearchJob) -> SearchResult:
         outcome = "failed"
         try:
             problem = Problem(id=f"serve-{job.id}", question=job.question, gold=None)
-            result = load_program(job.program)(problem, job.search, job.runtimes)
+            result = load_program(job.program)(problem, job.search, self.runtimes, job.context)
             outcome = "completed"
             return result
         finally:
-            if any(b.cancelled for b in job.backends()):
+            if job.context.cancelled:
                 outcome = "cancelled"
             self._finished(job, outcome)
 
@@ -186,15 +177,16 @@ class SearchService:
         the runtime after the first abort (SGLang ignores an abort for a rid it has not seen), so the rids
         still in flight are aborted again each time the in-flight set has not emptied."""
         deadline = time.monotonic() + self.abort_timeout_s
-        for backend in job.backends():
-            rids = backend.cancel()
-            while rids and time.monotonic() < deadline:
-                if backend.runtime is not None:
-                    try:
-                        abort_requests(backend.runtime, rids)
-                    except OSError:
-                        pass  # the runtime is gone: nothing left to abort
-                if backend.wait_idle(timeout=0.5):
-                    break
-                rids = backend.in_flight()
+        runtimes = {id(r): r for b in (self.runtimes.generator, self.runtimes.target)
+                    if (r := getattr(b, "runtime", None)) is not None}.values()
+        rids = job.context.cancel()
+        while rids and time.monotonic() < deadline:
+            for runtime in runtimes:  # a rid unknown to a runtime is ignored there
+                try:
+                    abort_requests(runtime, rids)
+                except OSError:
+                    pass  # the runtime is gone: nothing left to abort
+            if job.context.wait_idle(timeout=0.5):
+                break
+            rids = job.context.in_flight()
         job.aborted.set()

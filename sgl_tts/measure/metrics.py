@@ -107,7 +107,7 @@ def problem_metrics(
     return row
 
 
-def aggregate(rows: Iterable[dict[str, Any] | SearchResult]) -> dict[str, Any]:
+def aggregate_rows(rows: Iterable[dict[str, Any] | SearchResult]) -> dict[str, Any]:
     """Aggregate per-problem rows (from `problem_metrics`; a bare SearchResult is taken ungraded)."""
     rows = [problem_metrics(r) if isinstance(r, SearchResult) else r for r in rows]
     accuracy_keys = list(CORRECTNESS_KEYS) + sorted(

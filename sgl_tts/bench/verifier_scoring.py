@@ -12,14 +12,15 @@ problems, with the incremental/full ratio of the medians.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
+from sgl_tts.measure.summary import median_range
+from sgl_tts.measure.tables import Column, console_table
 from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
 ARMS = ("full", "incremental")
@@ -50,48 +51,60 @@ class CallLog(StepScorer):
         return calls
 
 
-def summarize(values: Sequence[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-
 def format_table(calls: dict[str, list[list[dict[str, float]]]]) -> str:
     """Per iteration and measure: each arm's median (min-max) over searches, and incremental/full."""
     iterations = max((len(search) for arm in calls.values() for search in arm), default=0)
-    lines = [f"{'iter':>4s}  {'measure':<14s}" + "".join(f" {arm:>22s}" for arm in ARMS) + f" {'incr/full':>10s}"]
-    for index in range(iterations):
-        for measure in MEASURES:
-            values = {arm: [search[index][measure] for search in calls[arm] if index < len(search)] for arm in ARMS}
-            medians = {arm: statistics.median(v) if v else float("nan") for arm, v in values.items()}
-            ratio = medians["incremental"] / medians["full"] if medians["full"] else float("nan")
-            lines.append(f"{index + 1:4d}  {measure:<14s}" + "".join(f" {summarize(values[arm]):>22s}" for arm in ARMS)
-                         + f" {ratio:9.2f}x")
-    for measure in MEASURES:
-        totals = {arm: [sum(call[measure] for call in search) for search in calls[arm]] for arm in ARMS}
-        medians = {arm: statistics.median(v) if v else float("nan") for arm, v in totals.items()}
+    columns = ([Column("iter", 4), Column("measure", 14, "<", gap=2)] + [Column(arm, 22) for arm in ARMS]
+               + [Column("incr/full", 10)])
+
+    def row(label: str, measure: str, values: dict[str, list[float]]) -> list[str]:
+        medians = {arm: statistics.median(v) if v else float("nan") for arm, v in values.items()}
         ratio = medians["incremental"] / medians["full"] if medians["full"] else float("nan")
-        lines.append(f"{'all':>4s}  {measure:<14s}" + "".join(f" {summarize(totals[arm]):>22s}" for arm in ARMS)
-                     + f" {ratio:9.2f}x")
-    return "\n".join(lines)
+        return ([label, measure] + [median_range(values[arm], ".0f", brackets="()") for arm in ARMS]
+                + [f"{ratio:9.2f}x"])
+
+    rows = [row(str(index + 1), measure,
+                {arm: [search[index][measure] for search in calls[arm] if index < len(search)] for arm in ARMS})
+            for index in range(iterations) for measure in MEASURES]
+    rows += [row("all", measure, {arm: [sum(call[measure] for call in search) for search in calls[arm]]
+                                  for arm in ARMS})
+             for measure in MEASURES]
+    return console_table(columns, rows)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """What `sgl-tts bench verifier` runs."""
+
+    config: str = "configs/cpu-default.yaml"  # run config (YAML): models, verifier
+    problems: int = 2  # bundled problems per arm and repeat
+    repeats: int = 3  # repetitions of each arm, interleaved
+    n: int = 8  # beams
+    beam_width: int = 4  # children per kept beam
+    max_steps: int = 4
+    max_step_tokens: int = 32
+    step_delimiter: str = "\\n"  # escapes allowed
+    log_dir: str | None = None  # runtime logs (default: a temporary folder)
+    out: str | None = None  # write every scorer call's counts as JSON here
+
+
+def run_bench(options: BenchOptions) -> int:
     from sgl_tts.app.session import Session, load_run_config
     from sgl_tts.bench.fasttts import flush_caches
     from sgl_tts.problems import load_problems
 
-    config = load_run_config(args.config)
+    config = load_run_config(options.config)
     search = dataclasses.replace(
-        config.search, program="beam_search", n=args.n, beam_width=args.beam_width, max_steps=args.max_steps,
-        max_step_tokens=args.max_step_tokens, max_tokens=args.max_steps * args.max_step_tokens,
-        step_delimiter=args.step_delimiter.encode().decode("unicode_escape"), lookahead=0)
-    config = dataclasses.replace(config, search=search, concurrency=1, log_dir=args.log_dir)
-    problems = load_problems(config.dataset.name, limit=args.problems, offset=config.dataset.offset)
+        config.search, program="beam_search", n=options.n, beam_width=options.beam_width,
+        max_steps=options.max_steps, max_step_tokens=options.max_step_tokens,
+        max_tokens=options.max_steps * options.max_step_tokens,
+        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), lookahead=0)
+    config = dataclasses.replace(config, search=search, concurrency=1, log_dir=options.log_dir)
+    problems = load_problems(config.dataset.name, limit=options.problems, offset=config.dataset.offset)
     print(f"bench verifier: model={config.generator.model} verifier={config.scorer.kind} on "
           f"{'its own runtime' if config.scorer.runtime else 'the generator runtime'}, problems={len(problems)} "
           f"n={search.n} beam_width={search.beam_width} steps<={search.max_steps}x{search.max_step_tokens} tokens "
-          f"repeats={args.repeats}", flush=True)
+          f"repeats={options.repeats}", flush=True)
     calls: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in ARMS}
     try:
         with Session(config) as session:
@@ -99,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
             scorer = session.search_runtimes.scorer
             log = session.search_runtimes.scorer = CallLog(scorer)
             session.solve(problems[0], dataclasses.replace(search, n=2, max_steps=1))  # warm-up
-            for repeat in range(args.repeats):
+            for repeat in range(options.repeats):
                 for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
                     scorer.set_incremental(arm == "incremental", config.scorer.memo_paths)
                     for problem in problems:
@@ -108,7 +121,7 @@ def run_bench(args: argparse.Namespace) -> int:
                         result = session.solve(problem)
                         searched = log.take()
                         calls[arm].append(searched)
-                        print(f"[{repeat + 1}/{args.repeats} {arm:<11s} {problem.id}] {len(searched)} scorer calls: "
+                        print(f"[{repeat + 1}/{options.repeats} {arm:<11s} {problem.id}] {len(searched)} scorer calls: "
                               f"input {sum(c['input_tokens'] for c in searched):.0f} tokens, cached "
                               f"{sum(c['cached_tokens'] for c in searched):.0f}, verifier "
                               f"{sum(c['time_ms'] for c in searched) / 1000:.1f} s of {result.total_time_s:.1f} s"
@@ -117,25 +130,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print("\nVerifier cost per beam-search iteration, median (min-max) over searches "
               f"({', '.join(f'{arm} {len(calls[arm])}' for arm in ARMS)}):")
         print(format_table(calls))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args) | {"func": None}, "calls": calls}, f, indent=2)
-            print(f"wrote {args.out}")
+        if options.out:
+            with open(options.out, "w") as f:
+                json.dump({"args": dataclasses.asdict(options), "calls": calls}, f, indent=2)
+            print(f"wrote {options.out}")
     return 0
-
-
-def add_bench_verifier_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    parser = bench_subparsers.add_parser("verifier", help="full re-scoring vs incremental step scoring")
-    parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
-    parser.add_argument("--problems", type=int, default=2, help="bundled problems per arm and repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions of each arm, interleaved")
-    parser.add_argument("--n", type=int, default=8, help="beams")
-    parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam")
-    parser.add_argument("--max-steps", type=int, default=4)
-    parser.add_argument("--max-step-tokens", type=int, default=32)
-    parser.add_argument("--step-delimiter", default="\\n",
-                        help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
-    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
-    parser.add_argument("--out", default=None, help="write every scorer call's counts as JSON here")
-    parser.set_defaults(func=run_bench)
-    return parser

@@ -5,8 +5,12 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
+from sgl_tts.measure.tables import Column, format_row
 from sgl_tts.search.grading import grade
 from sgl_tts.search.records import SearchResult
+
+COLUMNS = (Column("problem", 14, "<"), Column("gold", 8), Column("answer", 12), Column("ok", 3), Column("tokens", 7),
+           Column("time s", 7), Column("goodput", 8), Column("cached", 7))
 
 
 def _short(text: str | None, width: int = 12) -> str:
@@ -16,16 +20,17 @@ def _short(text: str | None, width: int = 12) -> str:
 
 def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
     """Print each (problem, result) and a summary; returns the exit code (0, or 1 if any search failed)."""
-    header = f"{'problem':14s} {'gold':>8s} {'answer':>12s} {'ok':>3s} {'tokens':>7s} {'time s':>7s} {'goodput':>8s} {'cached':>7s}"
+    header = format_row(COLUMNS, [column.title for column in COLUMNS])
     print(header)
     print("-" * len(header))
     rows = []
     for problem, result in results:
         correct = grade(result.answer, problem.gold) if problem.gold is not None else False
         rows.append((correct, result))
-        print(f"{_short(problem.id, 14):14s} {_short(problem.gold, 8):>8s} {_short(result.answer):>12s} "
-              f"{'yes' if correct else 'no':>3s} {result.generated_tokens:7d} {result.total_time_s:7.1f} "
-              f"{result.precise_goodput:8.2f} {result.cache_hit_rate:7.0%}"
+        print(format_row(COLUMNS, [_short(problem.id, 14), _short(problem.gold, 8), _short(result.answer),
+                                   "yes" if correct else "no", str(result.generated_tokens),
+                                   f"{result.total_time_s:.1f}", f"{result.precise_goodput:.2f}",
+                                   f"{result.cache_hit_rate:.0%}"])
               + (f"  error: {result.error}" if result.error else ""), flush=True)
     if not rows:
         print("no problems")

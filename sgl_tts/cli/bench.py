@@ -1,0 +1,134 @@
+"""`sgl-tts bench runtime|fasttts|verifier|serve`: benchmarks that print side-by-side ratios (`sgl_tts.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import shlex
+
+from sgl_tts.bench.fasttts import ARMS as FASTTTS_ARMS
+from sgl_tts.bench.fasttts import PROGRAMS as FASTTTS_PROGRAMS
+from sgl_tts.bench.runtime import HF_ARM, RuntimeArm
+
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_arm(text: str) -> RuntimeArm:
+    """`--arm NAME=ARGS`: ARGS split like a shell line, leading VAR=value words as environment (may be empty:
+    the defaults)."""
+    name, sep, args = text.partition("=")
+    name = name.strip()
+    if not sep or name == HF_ARM or not re.fullmatch(r"[\w.+-]+", name):
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME=ARGS with a NAME (letters, digits, ._+-) "
+                                         f"other than {HF_ARM!r}, e.g. 'steps4=--num-continuous-decode-steps 4' "
+                                         f"or 'default='")
+    words = shlex.split(args)
+    env = []
+    while words and _ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env.append((key, value))
+    return RuntimeArm(name, tuple(words), tuple(env))
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    bench_commands = bench.add_subparsers(dest="bench", required=True)
+
+    parser = bench_commands.add_parser("runtime", help="SGLang CPU runtime settings vs HF generate (tokens/s ratios)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--parallel", default="1,16,64", help="comma-separated request counts")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; every arm runs once per round, interleaved")
+    parser.add_argument("--arm", type=parse_arm, action="append",
+                        help="NAME=ARGS: an SGLang arm with extra launch_server arguments (repeatable; "
+                             "default: one arm 'default' with the CPU defaults)")
+    parser.add_argument("--threads", type=int, help="torch threads in each SGLang scheduler process")
+    parser.add_argument("--max-total-tokens", type=int, default=16384,
+                        help="KV tokens of each SGLang arm (they run side by side in host memory)")
+    parser.set_defaults(func=bench_runtime)
+
+    parser = bench_commands.add_parser("fasttts", help="FastTTS ablation with repeats: baseline vs V, P, P+M, "
+                                                       "P+M+S, all (Fig. 16)")
+    parser.add_argument("--config", default="cpu-default",
+                        help="run config (YAML path or packaged name): models, verifier")
+    parser.add_argument("--quick", action="store_true",
+                        help="beam search, n=8, baseline vs all, 3 problems, 3 repeats (about 10 minutes here)")
+    parser.add_argument("--programs", default=None, help=f"comma-separated (default {','.join(FASTTTS_PROGRAMS)})")
+    parser.add_argument("--ns", default=None, help="comma-separated beam counts n (default 8,16,32)")
+    parser.add_argument("--arms", default=None, help=f"comma-separated arms (default {','.join(FASTTTS_ARMS)})")
+    parser.add_argument("--problems", type=int, default=None, help="bundled problems per cell (default 5)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of every cell, interleaved (default 3)")
+    parser.add_argument("--concurrency", type=int, default=None, help="searches at once (default 3)")
+    parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam (B)")
+    parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--max-step-tokens", type=int, default=24)
+    parser.add_argument("--step-delimiter", default="\\n",
+                        help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
+    parser.add_argument("--kv-budget-mib", type=float, default=24.0,
+                        help="KV memory shared by generator and verifier (small enough to force evictions)")
+    parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
+    parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")
+    parser.add_argument("--max-speculative", type=int, default=None, help="cap on one search's speculative requests")
+    parser.add_argument("--engine-batch", type=int, default=16,
+                        help="speculate only while the generator runs fewer requests than this")
+    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
+    parser.add_argument("--out", default=None, help="folder for the JSON of every run and the Fig. 16 style plot")
+    parser.set_defaults(func=bench_fasttts)
+
+    parser = bench_commands.add_parser("verifier", help="full re-scoring vs incremental step scoring")
+    parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
+    parser.add_argument("--problems", type=int, default=2, help="bundled problems per arm and repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of each arm, interleaved")
+    parser.add_argument("--n", type=int, default=8, help="beams")
+    parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam")
+    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--max-step-tokens", type=int, default=32)
+    parser.add_argument("--step-delimiter", default="\\n",
+                        help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
+    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
+    parser.add_argument("--out", default=None, help="write every scorer call's counts as JSON here")
+    parser.set_defaults(func=bench_verifier)
+
+    parser = bench_commands.add_parser("serve", help="concurrent clients against `sgl-tts serve`, 1 vs 2 replicas")
+    parser.add_argument("--config", default="configs/serve-tiny.yaml", help="run config (YAML)")
+    parser.add_argument("--program", help="search program (default: the config's)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (C)")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client (R)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="generator replica counts")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each arm (interleaved)")
+    parser.set_defaults(func=bench_serve)
+
+
+def options_from(args: argparse.Namespace, options_class: type) -> object:
+    """The options dataclass filled from the parsed arguments of the same names."""
+    return options_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(options_class)})
+
+
+def bench_runtime(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.runtime import run_bench
+
+    return run_bench(model=args.model, new_tokens=args.new_tokens,
+                     parallel=[int(p) for p in args.parallel.split(",")], repeats=args.repeats, arms=args.arm,
+                     threads=args.threads, max_total_tokens=args.max_total_tokens)
+
+
+def bench_fasttts(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.fasttts import BenchOptions, run_bench
+
+    return run_bench(options_from(args, BenchOptions))
+
+
+def bench_verifier(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.verifier_scoring import BenchOptions, run_bench
+
+    return run_bench(options_from(args, BenchOptions))
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.serve import run_bench
+
+    return run_bench(config=args.config, program=args.program, clients=args.clients, requests=args.requests,
+                     replicas=args.replicas, repeats=args.repeats)

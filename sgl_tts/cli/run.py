@@ -1,0 +1,94 @@
+"""`sgl-tts programs` and `sgl-tts run` (with `--compare` and `--tree`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    programs = commands.add_parser("programs", help="list the registered search programs")
+    programs.set_defaults(func=programs_command)
+
+    run = commands.add_parser("run", help="run a search program over a problem set")
+    run.add_argument("--config", default="cpu-default",
+                     help="run config: a YAML path or a packaged config's name (cpu-default, rsd-cpu)")
+    run.add_argument("--program", help="override search.program")
+    run.add_argument("--n", type=int, help="override search.n")
+    run.add_argument("--limit", type=int, help="only the first LIMIT problems")
+    run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
+    run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
+    run.add_argument("--compare", action="store_true",
+                     help="then self-consistency at matched tokens and the search with FastTTS off, side by side")
+    run.set_defaults(func=run_command)
+
+
+def programs_command(args: argparse.Namespace) -> int:
+    from sgl_tts.search.programs import program_names, program_summary
+
+    for name in program_names():
+        print(f"{name:24s} {program_summary(name)}")
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from sgl_tts.problems import load_problems
+    from sgl_tts.config import ConfigError
+    from sgl_tts.app.run_report import print_run
+    from sgl_tts.runtime.server import RuntimeConfig
+    from sgl_tts.app.session import Session, load_run_config
+
+    config = load_run_config(args.config)
+    search_overrides = {}
+    if args.program and args.program != config.search.program:
+        search_overrides.update(program=args.program, settings=None)  # the file's settings are its program's
+    if args.n:
+        search_overrides["n"] = args.n
+    if args.tree:
+        search_overrides["record_tree"] = True
+    if search_overrides:
+        try:
+            config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
+        except ValueError as exc:
+            raise ConfigError(f"{args.config} with --program/--n: {exc}") from None
+    if args.device:
+        config = dataclasses.replace(config, generator=dataclasses.replace(config.generator, device=args.device))
+        if config.scorer.runtime is not None:
+            scorer_runtime = dataclasses.replace(config.scorer.runtime, device=args.device)
+            config = dataclasses.replace(config, scorer=dataclasses.replace(config.scorer, runtime=scorer_runtime))
+        if isinstance(config.target, RuntimeConfig):
+            config = dataclasses.replace(config, target=dataclasses.replace(config.target, device=args.device))
+    limit = args.limit if args.limit is not None else config.dataset.limit
+    problems = load_problems(config.dataset.name, limit=limit, offset=config.dataset.offset)
+    print(f"sgl-tts run: program={config.search.program} n={config.search.n} "
+          f"model={config.generator.model} device={config.generator.device} problems={len(problems)}"
+          + (f" target={getattr(config.target, 'model', config.target)}" if config.target else ""), flush=True)
+    with Session(config) as session:
+        print(f"runtimes ready in {session.started_s:.0f} s: "
+              + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
+        searched: list = []
+        code = print_run(_collect(_write_trees(session.solve_all(problems), args.tree), searched), config)
+        if args.compare:
+            from sgl_tts.app.compare import print_comparison, run_comparison
+
+            print_comparison(run_comparison(session, problems, searched))
+        return code
+
+
+def _collect(pairs, into: list):
+    """Pass pairs through, keeping each in `into`."""
+    for pair in pairs:
+        into.append(pair)
+        yield pair
+
+
+def _write_trees(results, folder):
+    """Pass (problem, result) pairs through, drawing each result's search tree into `folder` (when set)."""
+    for problem, result in results:
+        if folder and "tree" in result.extra:
+            from sgl_tts.app.tree_plot import plot_tree
+
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(problem.id))
+            plot_tree(result.extra["tree"], f"{folder}/{safe}.png", f"{result.program}: {problem.id} -> {result.answer}")
+        yield problem, result
