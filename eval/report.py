@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from eval.budget import budget_markdown, budget_summary, plot_accuracy_vs_tokens
 from eval.results import ResultStore, _finite_or_none
+from sgl_tts.paths import write_atomic
 from sgl_tts.measure.metrics import aggregate_rows, over_repetitions, summarize
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ def write_report(run_dir: str | Path, experiment: Experiment, partial: bool = Fa
     summary = summarize_experiment(experiment, records)
     plots = plot_run(experiment, summary, run_dir / "plots") if summary["cells"] else []
     text = markdown(experiment, summary, run_dir, runs, plots, partial, skipped)
-    (run_dir / "summary.md").write_text(text)
+    write_atomic(run_dir / "summary.md", text)
     data = _finite_or_none({**summary, "partial": partial})
-    (run_dir / "summary.json").write_text(json.dumps(data, indent=1, default=str, allow_nan=False) + "\n")
+    write_atomic(run_dir / "summary.json", json.dumps(data, indent=1, default=str, allow_nan=False) + "\n")
     return text

@@ -59,6 +59,7 @@ from sgl_tts.problems import DATASETS, Problem, load_problems
 from eval.report import RESULTS_FILE, row_key, write_report
 from eval.results import ResultStore, config_hash, provenance
 from sgl_tts.config import ConfigError
+from sgl_tts.paths import folder_lock, write_atomic
 from sgl_tts.measure.metrics import problem_metrics, summarize
 from sgl_tts.search.records import SearchResult
 from sgl_tts.runtime.server import RuntimeDiedError
@@ -424,7 +425,7 @@ class EvalRun:
             )
         experiment_file = self.run_dir / EXPERIMENT_FILE
         if not experiment_file.exists():
-            experiment_file.write_text(yaml.safe_dump(plain(self.config), sort_keys=False))
+            write_atomic(experiment_file, yaml.safe_dump(plain(self.config), sort_keys=False))
         header = provenance(self.experiment.fingerprint(), probe_gpu=self.config.backend == "sglang")
         header.update(experiment_sha256=self.fingerprint_sha, source=self.experiment.source,
                       resumed=bool(previous))
@@ -615,12 +616,13 @@ def run_eval(config: str | Path | None = None, out: str | Path | None = None, re
     if resume and not (Path(resume) / RESULTS_FILE).is_file():
         raise ConfigError(f"nothing to resume: {Path(resume) / RESULTS_FILE} does not exist")
     run = EvalRun(experiment, run_dir or new_run_dir(experiment), progress=progress)
-    print(f"sgl-tts eval: {experiment.source} -> {run.run_dir}", flush=True)
-    try:
-        outcome = run.run()
-    except RuntimeDiedError as exc:
-        print(f"sgl-tts eval: error: {exc}", file=sys.stderr)
-        return 1
+    with folder_lock(run.run_dir, "running sgl-tts eval on it"):  # one eval writes a run folder at a time
+        print(f"sgl-tts eval: {experiment.source} -> {run.run_dir}", flush=True)
+        try:
+            outcome = run.run()
+        except RuntimeDiedError as exc:
+            print(f"sgl-tts eval: error: {exc}", file=sys.stderr)
+            return 1
     print(outcome.summary, flush=True)
     print(f"results: {outcome.run_dir / RESULTS_FILE}  summary: {outcome.run_dir / 'summary.md'}", flush=True)
     if outcome.interrupted:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from eval.results import ResultStore, provenance
 from sgl_tts.app.session import RunConfig, load_run_config
 from sgl_tts.config import ConfigError, to_dict
+from sgl_tts.paths import write_atomic
 from sgl_tts.scoring.step_labels import LabelledSolution, fold_of, load_labelled, select_part
 from sgl_tts.scoring.verifier_metrics import cross_fitted_f1, step_auroc
 
@@ -149,7 +150,7 @@ def evaluate_verifiers(configs: Sequence[str], data: str | None = None, part: st
         rows[arm]["tokens"] = sum(run["tokens"] for run in sessions if run["arm"] == arm)
     header = f"{len(solutions)} solutions of {data or 'processbench-math'} (part {part}), {folds} folds."
     summary = render_summary(rows, header)
-    (out / "summary.md").write_text(summary)
+    write_atomic(out / "summary.md", summary)
     print(summary)
     print(f"results: {out / 'results.jsonl'}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -111,9 +112,11 @@ def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
             return value
         raise fail()
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # NaN and infinities are refused: JSON's NaN/Infinity and YAML's .nan/.inf parse, and `nan < 0` is False,
+        # so a range check after this would let them through.
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
-        raise fail()
+        raise fail("a finite number" if isinstance(value, float) else None)
     if tp is str:
         if isinstance(value, str):
             return value

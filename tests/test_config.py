@@ -171,3 +171,42 @@ def test_a_union_reports_the_error_inside_the_alternative_that_fits(tmp_path):
     for text, pattern in cases.items():
         with pytest.raises(ConfigError, match=pattern):
             load_yaml(RunConfig, write(tmp_path, text))
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("search:\n  n: 1000000\n", r"run\.yaml: .*'search\.n' is 1000000, above the limit 256 \(limits\.n\)"),
+    ("search:\n  max_tokens: 1000000000\n", r"'search\.max_tokens' is 1000000000, above the limit 16384"),
+    ("search:\n  max_steps: 65\n", r"'search\.max_steps' is 65, above the limit 64"),
+    ("search:\n  max_step_tokens: 5000\n", r"'search\.max_step_tokens' is 5000, above the limit 4096"),
+    ("search:\n  lookahead: 9\n", r"'search\.lookahead' is 9, above the limit 8"),
+    ("search:\n  granularity: 65\n", r"'search\.granularity' is 65, above the limit 64"),
+    ("search:\n  beam_width: 300\n", r"'search\.beam_width' is 300, above the limit 256 \(limits\.n\)"),
+    ("limits:\n  n: 4\nsearch:\n  n: 8\n", r"'search\.n' is 8, above the limit 4 \(limits\.n\)"),
+    ("limits:\n  n: 0\n", r"limits\.n must be at least 1, got 0"),
+    ("limits:\n  n: .nan\n", r"'limits\.n' must be int"),
+])
+def test_a_run_config_above_its_limits_is_refused_naming_field_value_and_limit(tmp_path, text, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_yaml(RunConfig, write(tmp_path, text))
+
+
+def test_the_operator_raises_a_limit_in_the_run_config(tmp_path):
+    config = load_yaml(RunConfig, write(tmp_path, "limits:\n  n: 512\nsearch:\n  n: 512\n  beam_width: 4\n"))
+    assert config.search.n == 512 and config.limits.n == 512
+    with pytest.raises(ValueError, match="'search.n' is 513"):
+        dataclasses.replace(config, search=dataclasses.replace(config.search, n=513))  # `run --n` goes through it
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize("key", ["temperature", "top_p", "granularity_margin", "branching_temperature"])
+def test_non_finite_floats_are_refused_naming_the_key(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"'search\.{key}' must be a finite number"):
+        load_yaml(RunConfig, write(tmp_path, f"search:\n  {key}: {value}\n"))
+
+
+def test_non_finite_program_settings_are_refused_naming_the_key(tmp_path):
+    from sgl_tts.app.session import load_run_config
+
+    text = "target: generator\nsearch:\n  program: rsd\n  settings:\n    delta: .nan\n"
+    with pytest.raises(ConfigError, match=r"'search\.settings\.delta' must be a finite number, got nan"):
+        load_run_config(write(tmp_path, text))

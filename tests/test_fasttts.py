@@ -12,7 +12,8 @@ from sgl_tts.config import ConfigError, load_dataclass
 from sgl_tts.fasttts.switches import PRIORITY_FLAG, FastTTSConfig, configure_runtimes, from_label
 from sgl_tts.search.programs import load_program
 from sgl_tts.runtime.hardware import HARDWARE
-from sgl_tts.runtime.memory_plan import MIB, longest_request_tokens, model_spec_for, plan_memory, plan_workload
+from sgl_tts.runtime.memory_plan import (MIB, longest_request_tokens, model_spec_for, plan_memory, plan_workload,
+                                         search_working_sets)
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.app.session import RunConfig
@@ -77,19 +78,23 @@ def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_every_runtime
     assert spec.kv_bytes_per_token == KV_FP32
     floor = longest_request_tokens(fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
     work = plan_workload(SEARCH.n, fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
-    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], work, 300 * MIB, min_tokens=floor)
+    # n = 8, B = 2: 4 kept parents; 128 + 4·(192 − 48) + 8·48 = 1088 tokens for each runtime
+    sets = search_working_sets(SEARCH.n, SEARCH.beam_width, fast.prompt_tokens, SEARCH.max_tokens,
+                               SEARCH.max_step_tokens)
+    assert sets == {"generator": 1088, "verifier": 1088}
+    plan = plan_memory(spec, spec, HARDWARE["rtx4090"], work, 300 * MIB, min_tokens=floor, working_sets=sets)
     assert settings.split == "roofline" and settings.plan.shared == plan.shared
-    assert settings.verifier.max_total_tokens == plan.verifier.max_total_tokens >= floor
-    assert settings.generator.max_total_tokens == plan.generator.max_total_tokens >= floor
+    assert settings.plan.working_sets == sets
+    assert settings.verifier.max_total_tokens == plan.verifier.max_total_tokens >= 1088, "its working set"
+    assert settings.generator.max_total_tokens == plan.generator.max_total_tokens >= 1088
     total = (settings.generator.max_total_tokens + settings.verifier.max_total_tokens) * KV_FP32
     assert 300 * MIB - 2 * KV_FP32 < total <= 300 * MIB, "the whole budget is handed out"
     assert settings.generator.mem_fraction_static is None, "CPU runtimes get no GPU memory fraction"
-    # 40 MiB hold 910 tokens: the plan is B_pre = 1, B_dec = 2 (272-token sequences); the verifier's share
-    # (1/3) is below the longest request, so it gets exactly that and the generator the rest.
+    # 40 MiB hold 910 tokens, less than the two working sets (2176): the verifier gets at least its share in
+    # proportion to the working sets (455), the generator at least its longest request (368); the cost decides.
     tight = configure_runtimes(dataclasses.replace(fast, kv_budget_mib=40), SEARCH, SMOL, SMOL)
-    assert (tight.plan.shared.b_pre, tight.plan.shared.b_dec) == (1, 2)
-    assert tight.verifier.max_total_tokens == floor == 368
-    assert tight.generator.max_total_tokens == int((40 * MIB - floor * KV_FP32) // KV_FP32)
+    assert floor == 368 and 455 <= tight.verifier.max_total_tokens <= 910 - 368
+    assert tight.generator.max_total_tokens + tight.verifier.max_total_tokens in (909, 910)
 
 
 def test_m_without_a_budget_pools_the_configured_budgets():
@@ -163,9 +168,10 @@ def fake_session_runtimes(monkeypatch):
 
     monkeypatch.setattr("sgl_tts.frontend.backend.TTSEndpoint", FakeEndpoint)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: None)
-    base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH)
-    # 40 MiB: a budget tight enough that M's split differs from the static one (test_m_splits_the_budget_...)
-    return started, lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=40,
+    base = RunConfig(generator=SMOL, scorer=ScorerConfig(runtime=SMOL), search=SEARCH, concurrency=1)
+    # 300 MiB hold both working sets (1088 tokens each): M gives the verifier its own and the generator the
+    # rest, unlike the static halves (test_m_splits_the_budget_...)
+    return started, lambda label: dataclasses.replace(base, fasttts=from_label(label, kv_budget_mib=300,
                                                                                   hardware="rtx4090"))
 
 
@@ -235,14 +241,21 @@ def test_bench_cells_medians_ranges_and_claims():
     from sgl_tts.bench.fasttts import FastTTSArm, compare, format_table, measure
     from sgl_tts.search.records import Candidate, SearchResult
 
-    def result(tokens, seconds, verifier_s=0.0, speculation=None):
+    def result(tokens, seconds, verifier_s=0.0, speculation=None, verifier_calls=()):
         candidate = Candidate(steps=["a"], step_scores=[0.5], score=0.5, answer="4", tokens=tokens,
                               completion_time_s=seconds, finish_reason="answer")
+        extra = {"verifier_iterations": [{"input_tokens": read, "cached_tokens": cached}
+                                         for read, cached in verifier_calls]}
+        if speculation:
+            extra["speculation"] = speculation
         return SearchResult(problem_id="p", program="beam_search", answer="4", candidates=[candidate],
                             prompt_tokens=100, cached_tokens=90, total_time_s=seconds, generator_time_s=seconds,
-                            verifier_time_s=verifier_s, extra={"speculation": speculation} if speculation else {})
+                            verifier_time_s=verifier_s, extra=extra)
 
-    base = measure([result(10, 10.0, 2.5), result(30, 10.0, 2.5)], verifier=(200, 50))
+    # the verifier's hit: Σ cached / Σ input over every scorer call of every search (40 + 10) / (120 + 80)
+    base = measure([result(10, 10.0, 2.5, verifier_calls=[(100, 40), (20, 0)]),
+                    result(30, 10.0, 2.5, verifier_calls=[(80, 10)])], plan={"planned_verifier_hit": 0.3})
+    assert base["planned_verifier_hit"] == 0.3
     assert base["goodput"] == pytest.approx(2.0) and base["p50_latency_s"] == 10.0
     assert base["verifier_cache_hit"] == pytest.approx(0.25) and base["verifier_share"] == pytest.approx(0.2)
     fast = measure([result(10, 2.0, speculation={"launched": 3}), result(30, 6.0, speculation={"launched": 2})])
@@ -252,10 +265,11 @@ def test_bench_cells_medians_ranges_and_claims():
     assert compare([5.0, 6.0, 2.0], [2.0, 2.5, 1.5], lower_is_better=False)[1] is False, "overlapping ranges"
     assert compare([3.0, 4.0], [8.0, 9.0], lower_is_better=True) == (pytest.approx(3.5 / 8.5), True)
     assert compare([9.0], [2.0], lower_is_better=False) == (pytest.approx(4.5), False), "one run claims nothing"
-    cells = {("beam_search", 8, "baseline"): [base, base], ("beam_search", 8, "all"): [fast, fast]}
-    lines = format_table(cells, ["beam_search"], [8], ["baseline", "V", "all"]).splitlines()
+    cells = {("beam_search", 8, 0.5, "baseline"): [base, base], ("beam_search", 8, 0.5, "all"): [fast, fast]}
+    lines = format_table(cells, ["beam_search"], [8], [0.5], ["baseline", "V", "all"]).splitlines()
     assert len(lines) == 3, "a header, then one line per measured arm"
     assert "1.00x " in lines[1] and "2.50x*" in lines[2] and "0.40x*" in lines[2]
+    assert "0.30/0.25" in lines[1], "the verifier's hit, planned/measured"
     assert FastTTSArm.parse("all") == FastTTSArm("all", "P+M+S", True)
     assert FastTTSArm.parse("V") == FastTTSArm("V", "baseline", True)
     assert FastTTSArm.parse("P+M") == FastTTSArm("P+M", "P+M", False)
@@ -280,3 +294,22 @@ def test_co_located_cpu_runtimes_split_the_cores():
     assert [c.env["OMP_WAIT_POLICY"] for c in three.values()] == ["PASSIVE", "PASSIVE", "ACTIVE"]
     gpu = {"generator": RuntimeConfig(device="cuda"), "scorer": RuntimeConfig()}
     assert share_cpu_cores(gpu, cores=2) == gpu, "one CPU runtime beside a GPU one keeps every core"
+
+
+def test_each_n_runs_at_a_fraction_of_its_working_set():
+    from sgl_tts.bench.fasttts import cell_budget
+
+    kv = {"generator": KV_FP32, "verifier": KV_FP32 // 2}
+    # n = 64, B = 4, P = 80, 3 steps of 24: 80 + 16·48 + 64·24 = 2384 tokens per runtime
+    cell = cell_budget(64, 0.5, 4, 80, 72, 24, kv)
+    assert cell["working_set_tokens"] == {"generator": 2384, "verifier": 2384}
+    whole_mib = 2384 * (KV_FP32 + KV_FP32 // 2) / MIB
+    assert cell["working_set_mib"] == pytest.approx(whole_mib)
+    assert cell["budget_mib"] == pytest.approx(0.5 * whole_mib) and not cell["raised_to_floors"]
+    assert cell_budget(64, 1.0, 4, 80, 72, 24, kv)["budget_mib"] == pytest.approx(whole_mib)
+    assert cell_budget(64, 0.5, 4, 80, 72, 24, kv, searches=3)["budget_mib"] == pytest.approx(1.5 * whole_mib)
+    # n = 2 at a tenth: raised so that each static half holds the longest request (80 + 72 + 24 = 176 tokens)
+    small = cell_budget(2, 0.1, 4, 80, 72, 24, kv)
+    assert small["raised_to_floors"] and small["budget_mib"] == pytest.approx(2 * 176 * KV_FP32 / MIB)
+    with pytest.raises(ValueError, match="positive"):
+        cell_budget(16, 0.0, 4, 80, 72, 24, kv)

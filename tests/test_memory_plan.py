@@ -180,3 +180,101 @@ def test_configured_budgets_of_three_runtimes_are_pooled():
     mixed = dataclasses.replace(tgt, device="cuda")
     with pytest.raises(ConfigError, match="one device"):
         configure_runtimes(from_label("M", hardware="rtx4090"), SEARCH, gen, ver, mixed)
+
+
+# ---- working sets, the cost of a too-small cache, the verifier's floor, the engine batch ----
+
+def test_working_set_counts_the_prompt_once_and_the_shared_parents_once():
+    from sgl_tts.runtime.memory_plan import search_working_sets, working_set_tokens
+
+    # beam search n = 16, B = 4: 4 kept parents of 72 − 24 = 48 tokens, 16 own steps of 24, an 80-token prompt
+    assert working_set_tokens(80, 16, 4, 72, 24) == 80 + 4 * 48 + 16 * 24 == 656
+    assert working_set_tokens(80, 64, 16, 72, 24, searches=3) == 3 * (80 + 16 * 48 + 64 * 24) == 7152
+    assert working_set_tokens(10, 4, 4, 30, 30) == 10 + 4 * 30, "no sharing below the prompt: n·L"
+    assert search_working_sets(16, 4, 80, 72, 24) == {"generator": 656, "verifier": 656}
+    assert search_working_sets(6, 4, 80, 72, 24)["generator"] == 80 + 2 * 48 + 6 * 24, "⌈6/4⌉ = 2 parents"
+    with pytest.raises(ValueError, match="kept <= paths"):
+        working_set_tokens(80, 4, 5, 72, 24)
+
+
+def split_cost(budget_tokens, w_gen, w_ver, n=16, verifier="smollm2-135m"):
+    from sgl_tts.runtime.memory_plan import SplitCost
+    from sgl_tts.runtime.roofline import StepCosts
+
+    gen, ver = load_model_spec("smollm2-135m", "float32"), load_model_spec(verifier, "float32")
+    work = Workload(n, 116, 24)
+    costs = StepCosts(gen, ver, HARDWARE["rtx4090"], work)
+    return SplitCost(costs, gen, ver, HARDWARE["rtx4090"], budget_tokens * gen.kv_bytes_per_token,
+                     {"generator": w_gen, "verifier": w_ver})
+
+
+def brute_force_best(cost, floor):
+    """Every verifier share in the same bounds, the first of the smallest times."""
+    import numpy as np
+
+    lo, hi = cost.bounds(floor)
+    shares = np.arange(lo, hi + 1)
+    times = cost(shares)
+    return int(shares[np.argmin(times)]), float(times.min())
+
+
+def test_a_budget_that_holds_both_working_sets_gives_each_at_least_its_own():
+    for budget, w_gen, w_ver in [(4000, 1500, 900), (2400, 1500, 900), (10000, 656, 656)]:
+        cost = split_cost(budget, w_gen, w_ver)
+        verifier = cost.best(floor=140)
+        assert verifier >= w_ver and cost.generator_tokens(verifier) >= w_gen, (budget, verifier)
+        assert float(cost(verifier)) <= brute_force_best(cost, 140)[1] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_under_a_tight_budget_the_split_is_the_cost_models_optimum(seed):
+    """Random tight budgets (below the two working sets), models and n: the candidate search finds the same
+    minimum as trying every split; the verifier never gets less than min(W_ver, M − the generator's minimum)."""
+    rng = random.Random(seed)
+    n = rng.choice([4, 16, 64])
+    w_gen, w_ver = rng.randint(600, 3000), rng.randint(300, 3000)
+    budget = rng.randint(2 * 160 + 10, w_gen + w_ver - 1)
+    cost = split_cost(budget, w_gen, w_ver, n, rng.choice(["smollm2-135m", "qwen2.5-math-1.5b"]))
+    verifier = cost.best(floor=160)
+    _, best_time = brute_force_best(cost, 160)
+    assert float(cost(verifier)) <= best_time * (1 + 1e-9), (verifier, best)  # equal times may sit at other v
+    lo, _ = cost.bounds(160)
+    beside = int((cost.budget - cost.generator_minimum(160) * cost.kv_gen) // cost.kv_ver)
+    assert verifier >= lo == max(160, min(w_ver, beside))
+
+
+def test_evicting_part_of_a_working_set_costs_its_re_prefill():
+    cost = split_cost(4000, 1500, 900)
+    # below W_ver every token taken from the verifier's cache adds R_ver (batches equal on both sides)
+    assert float(cost(800) - cost(801)) == pytest.approx(cost.r_ver, rel=1e-6) or cost(800) > cost(801)
+    assert cost.r_ver > 0 and cost.r_gen > 0
+
+
+def test_planned_verifier_hit_falls_with_the_cache():
+    from sgl_tts.runtime.memory_plan import planned_verifier_hit, working_set_tokens
+
+    # n = 4, B = 2 (2 parents), Q = 10, 3 steps of 10: reads 4·(20 + 30 + 40) = 360; with the working set
+    # cached, computed = 3·40 new + 10 (the question once) = 130, so the hit is 1 − 130/360.
+    whole = working_set_tokens(10, 4, 2, 30, 10)
+    assert planned_verifier_hit(whole, 10, 4, 2, 30, 10) == pytest.approx(1 - 130 / 360)
+    # no cache: every iteration's working set less its new steps (W_k = 50, 70, 90) is computed again
+    assert planned_verifier_hit(0, 10, 4, 2, 30, 10) == pytest.approx(1 - (130 + 10 + 30 + 50) / 360)
+    hits = [planned_verifier_hit(c, 10, 4, 2, 30, 10) for c in range(0, whole + 1, 10)]
+    assert hits == sorted(hits), "a larger cache never plans a lower hit"
+
+
+def test_speculation_fills_the_batch_the_generators_kv_holds():
+    from sgl_tts.runtime.memory_plan import engine_batch_for, plan_workload
+
+    work = plan_workload(16, 80, 72, 24)  # S = 80 + 36 + 24 = 140
+    assert engine_batch_for(1400, work) == 10 and engine_batch_for(100, work) == 1
+    s = from_label("P+M+S", kv_budget_mib=100, hardware="rtx4090")
+    settings = configure_runtimes(s, SEARCH, SMOL, SMOL)
+    expected = engine_batch_for(settings.plan.generator.max_total_tokens,
+                                plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens))
+    assert settings.engine_batch == expected > 1 and "speculation fills up to" in describe_settings(settings)
+    given = configure_runtimes(dataclasses.replace(s, engine_batch=16), SEARCH, SMOL, SMOL)
+    assert given.engine_batch == 16, "a given engine_batch stands"
+    assert configure_runtimes(from_label("P+M", kv_budget_mib=100, hardware="rtx4090"), SEARCH, SMOL,
+                              SMOL).engine_batch is None, "no S, no engine batch"
+    assert configure_runtimes(from_label("S"), SEARCH, SMOL, SMOL).engine_batch is None, "no known KV: no limit"

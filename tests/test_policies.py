@@ -185,6 +185,54 @@ def test_large_queue_is_ordered_in_one_pass():
     assert len(runs) == len(set(runs)), "each (problem, parent) group is contiguous"
 
 
+def reference_order(queue):
+    """The order by its definition, one full key per request and a stable sort: problems (and each untagged
+    request) ranked by first appearance, standard work by (rank, iteration, parent), then speculative work by
+    (bin, rank, iteration, parent); ties keep the queue order."""
+    ranks, keys = {}, []
+    for position, r in enumerate(queue):
+        t = tag(r)
+        rank = ranks.setdefault(t.problem_id if t else ("untagged", position), len(ranks))
+        if t is None:
+            keys.append((0, 0, rank, -1, -1))
+        else:
+            parent = -1 if t.parent_id is None else t.parent_id
+            keys.append((1 if t.speculative else 0, t.priority_bin, rank, t.iteration, parent))
+    return [r for _, r in sorted(zip(keys, queue), key=lambda pair: pair[0])]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefix_aware_order_equals_the_reference_on_random_trees(seed):
+    rng = random.Random(seed)
+    queue = []
+    for problem in range(rng.randint(1, 3)):
+        levels = search_tree_iterations(rng, rng.randint(2, 4), rng.randint(2, 6), rng.randint(1, 3),
+                                        rng.randint(1, 3))
+        for it, level in enumerate(levels):
+            queue += [req(f"p{problem}", it, b, parent) for b, parent in level]
+            queue += [req(f"p{problem}", it, b, parent, True, rng.randint(1, 3))
+                      for b, parent in level if rng.random() < 0.3]
+    queue += [Req(f"plain-{i}") for i in range(rng.randint(0, 3))]
+    rng.shuffle(queue)
+    assert order(PrefixAwareOrder(), queue) == reference_order(queue)
+
+
+def test_policy_micro_bench_times_every_size_in_every_round():
+    from sgl_tts.bench.policy import summarize, tag_of, time_order, waiting_queue
+
+    queue = waiting_queue(64, 4, random.Random(0))
+    tags = [tag_of(r) for r in queue]
+    assert len(queue) == 64 and len({r.rid for r in queue}) == 64, "unique rids"
+    assert sum(t.speculative for t in tags) == 64 // 8 and {t.iteration for t in tags} == {0, 1, 2, 3}
+    assert all(t.parent_id is None if t.iteration == 0 else t.parent_id == t.beam_id // 4 for t in tags)
+    timings = time_order([32, 64], repeats=3)
+    assert sorted(timings) == [32, 64] and all(len(runs) == 3 and min(runs) > 0 for runs in timings.values())
+    rows = summarize(timings)
+    assert [r["size"] for r in rows] == [32, 64] and rows[0]["ratio_to_previous"] is None
+    assert rows[1]["ratio_to_previous"] == rows[1]["median_call_s"] / rows[0]["median_call_s"]
+    assert rows[1]["us_per_request"] == [t * 1e6 / 64 for t in timings[64]]
+
+
 # ---- cost model and its brute-force checks ----
 
 def random_tree_cots(rng, depth, max_children):

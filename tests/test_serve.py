@@ -23,7 +23,7 @@ from sgl_tts.serve.service import SearchService
 from sgl_tts.search.context import SearchCancelled
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
-DEFAULTS = SearchConfig(program="beam_search", n=4, beam_width=2, max_steps=4, max_tokens=10_000)
+DEFAULTS = SearchConfig(program="beam_search", n=4, beam_width=2, max_steps=4, max_tokens=8_000)
 KEY = "test-key"
 
 
@@ -160,7 +160,7 @@ def test_streamed_progress_then_the_answer_in_chunk_format(server):
     question = "streamed?"
     stream = client(http).chat.completions.create(model="beam_search", messages=[{"role": "user", "content": question}],
                                                   stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
+    *chunks, usage_chunk = list(stream)
     events = [c.model_extra.get("sgl_tts", {}).get("event") for c in chunks]
     expected = direct("beam_search", question, DEFAULTS)
     assert events[0] == "start" and events[-1] == "finish"
@@ -170,8 +170,9 @@ def test_streamed_progress_then_the_answer_in_chunk_format(server):
     assert progress[-1]["generated_tokens"] == expected.generated_tokens
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == selected_candidate(expected).text
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[-1].usage.completion_tokens == expected.generated_tokens
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage is None
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == expected.generated_tokens, \
+        "with include_usage the usage comes last, in a chunk without choices"
 
 
 def test_concurrent_requests_are_all_answered(server):
@@ -396,3 +397,133 @@ def test_closing_the_service_cancels_the_searches_in_flight():
     assert not closer.is_alive() and service.snapshot()["cancelled"] == 1
     with pytest.raises(SearchCancelled):
         job.future.result(timeout=0)
+
+
+# ---- bad requests, table-driven: status, the field named, the OpenAI error shape; the server answers on ----
+
+CONTEXT_TOKENS = 9_000  # the bounded server's generator context (scripted prompt tokens are its characters)
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    service = SearchService(scripted_runtimes(), DEFAULTS, max_searches=4, prompt_tokens=lambda q: len(prompt(q)),
+                            context_tokens=CONTEXT_TOKENS)
+    http = HTTPServer(create_app(service)).start()
+    yield service, http
+    http.stop()
+    service.close()
+
+
+def ask(text="What is 2 + 2?"):
+    return [{"role": "user", "content": text}]
+
+
+def chat(**fields):
+    return json.dumps({"model": "beam_search", "messages": ask(), **fields})
+
+
+REFUSED = [  # (case, method, path, raw body, status, param, words of the message)
+    ("NaN temperature", "POST", "/v1/chat/completions", chat().replace('"model"', '"temperature": NaN, "model"'),
+     400, "temperature", "finite number, got nan"),
+    ("Infinity top_p", "POST", "/v1/chat/completions", chat().replace('"model"', '"top_p": Infinity, "model"'),
+     400, "top_p", "finite number, got inf"),
+    ("huge n", "POST", "/v1/chat/completions", chat(n=1000), 400, "n", "'n' is 1000, above the limit 256 (limits.n)"),
+    ("n = 10^6", "POST", "/v1/chat/completions", chat(n=10**6), 400, "n", "'n' is 1000000, above the limit 256"),
+    ("max_tokens 10^9", "POST", "/v1/chat/completions", chat(max_tokens=10**9), 400, "max_tokens",
+     "'max_tokens' is 1000000000, above the limit 16384 (limits.max_tokens)"),
+    ("max_completion_tokens 10^9", "POST", "/v1/chat/completions", chat(max_completion_tokens=10**9), 400,
+     "max_completion_tokens", "above the limit 16384"),
+    ("both token fields, different", "POST", "/v1/chat/completions", chat(max_tokens=10, max_completion_tokens=20),
+     400, "max_completion_tokens", "give one of them"),
+    ("lookahead", "POST", "/v1/chat/completions", chat(lookahead=100), 400, "lookahead", "above the limit 8"),
+    ("beam_width", "POST", "/v1/chat/completions", chat(beam_width=1000), 400, "beam_width", "(limits.n)"),
+    ("200,000-character question", "POST", "/v1/chat/completions",
+     json.dumps({"model": "beam_search", "messages": ask("7" * 200_000)}), 400, "messages[0].content",
+     "200000 characters, above the limit 65536 (limits.message_chars)"),
+    ("question past the context", "POST", "/v1/chat/completions",
+     json.dumps({"model": "beam_search", "messages": ask("7" * 10_000)}), 400, "messages",
+     f"the generator's context {CONTEXT_TOKENS}"),
+    ("max_tokens past the context", "POST", "/v1/chat/completions",
+     json.dumps({"model": "beam_search", "max_tokens": 8192, "messages": ask("7" * 1_000)}), 400, "max_tokens",
+     f"past the generator's context {CONTEXT_TOKENS}"),
+    ("too many messages", "POST", "/v1/chat/completions", chat(messages=ask() * 65), 400, "messages",
+     "65 messages, above the limit 64"),
+    ("body over the limit", "POST", "/v1/chat/completions",
+     json.dumps({"model": "beam_search", "messages": ask(), "user": "x" * (1 << 20)}), 413, None,
+     "over the limit 1048576 bytes"),
+    ("unknown field", "POST", "/v1/chat/completions", chat(frequency_penalty=0.5), 400, "frequency_penalty",
+     "unknown field 'frequency_penalty'"),
+    ("system message", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "system", "content": "Be brief."}, *ask()]), 400, "messages[0]",
+     "role 'system') would be dropped"),
+    ("earlier turns", "POST", "/v1/chat/completions",
+     chat(messages=[*ask(), {"role": "assistant", "content": "4"}, *ask("And 3 + 3?")]), 400, "messages[1]",
+     "role 'assistant') would be dropped"),
+    ("stop", "POST", "/v1/chat/completions", chat(stop=["\n"]), 400, "stop", "'stop' is not supported"),
+    ("record_tree", "POST", "/v1/chat/completions", chat(record_tree=True), 400, "record_tree",
+     "not available per request"),
+    ("not JSON", "POST", "/v1/chat/completions", "{", 400, None, "not JSON"),
+    ("404 path", "POST", "/v1/completions", chat(), 404, None, "Not Found"),
+    ("405 method", "GET", "/v1/chat/completions", None, 405, None, "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize("case,method,path,body,status,param,words", REFUSED, ids=[row[0] for row in REFUSED])
+def test_a_bad_request_is_refused_in_the_openai_error_shape_and_the_server_answers_on(
+        bounded, case, method, path, body, status, param, words):
+    service, http = bounded
+    answer = httpx.request(method, http.url + path, content=body, timeout=60,
+                           headers={"Content-Type": "application/json"})
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert words in error["message"], error
+    assert service.snapshot()["in_flight"] == 0, "no search was started"
+    after = httpx.post(http.url + "/v1/chat/completions", json={"model": "best_of_n", "n": 2, "messages": ask()},
+                       timeout=60)
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"], after.text
+
+
+def test_seed_and_max_completion_tokens_are_honoured(bounded):
+    _, http = bounded
+    question = "seeded?"  # not asked before on this server: the scripted backend counts the samples of a text
+    reply = client(http, key="k").chat.completions.create(model="best_of_n", messages=ask(question), n=3, seed=7,
+                                                          max_completion_tokens=50)
+    search = reply.model_extra["sgl_tts"]["search"]
+    assert search["seed"] == 7 and search["max_tokens"] == 50 and search["n"] == 3
+    seeded = dataclasses.replace(DEFAULTS, program="best_of_n", n=3, seed=7, max_tokens=50)
+    expected = direct("best_of_n", question, seeded)
+    assert reply.choices[0].message.content == selected_candidate(expected).text
+    other_seed = direct("best_of_n", question, dataclasses.replace(seeded, seed=8))
+    assert [c.text for c in other_seed.candidates] != [c.text for c in expected.candidates], "the seed matters"
+
+
+def test_include_usage_sends_the_usage_last_in_a_chunk_without_choices(bounded):
+    _, http = bounded
+    with httpx.stream("POST", http.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "best_of_n", "n": 2, "messages": ask(), "stream": True,
+                            "stream_options": {"include_usage": True}}) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    *chunks, last = [json.loads(line) for line in lines[:-1]]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    assert all("usage" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_an_unexpected_error_is_a_500_in_the_openai_error_shape():
+    class Broken(SearchService):
+        def check_prompt(self, question, search):
+            raise RuntimeError("tokenizer went away")
+
+    service = Broken(scripted_runtimes(), DEFAULTS, max_searches=1)
+    http = HTTPServer(create_app(service)).start()
+    try:
+        answer = httpx.post(http.url + "/v1/chat/completions", json={"model": "beam_search", "messages": ask()},
+                            timeout=60)
+        assert answer.status_code == 500
+        assert answer.json() == {"error": {"message": "internal error: RuntimeError: tokenizer went away",
+                                           "type": "server_error", "param": None, "code": None}}
+        assert httpx.get(http.url + "/health", timeout=60).json()["status"] == "ok"
+    finally:
+        http.stop()
+        service.close()

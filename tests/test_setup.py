@@ -1,5 +1,7 @@
 """The set-up points the environment at the checkout under test."""
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +27,82 @@ def test_the_installed_console_script_is_the_one_pyproject_names():
     wanted = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     installed = {entry.name: entry.value for entry in entry_points(group="console_scripts") if entry.name in wanted}
     assert installed == wanted, "run `make setup` here"
+
+
+# ---- scripts/setup.sh cannot lie: run in a copy of the checkout, on a temporary cache, with a fake venv ----
+
+PIP_ERROR = "ERROR: Could not find a version that satisfies the requirement sglang==0.5.23 (fake pip)"
+
+
+def fake_setup(tmp_path, pip_status, venv_python):
+    """A copy of scripts/setup.sh and pyproject.toml, a temporary SGL_TTS_CACHE, `pip` on PATH answering with
+    `pip_status` (pip's error on failure, the harmless `WARNING: Location` line always), and a PYTHON whose
+    `-m venv` makes an environment of that pip and `venv_python`: nothing real is installed or touched."""
+    checkout, bin_dir, cache = tmp_path / "checkout", tmp_path / "bin", tmp_path / "cache"
+    (checkout / "scripts").mkdir(parents=True)
+    bin_dir.mkdir()
+    shutil.copy(REPO / "scripts/setup.sh", checkout / "scripts/setup.sh")
+    shutil.copy(REPO / "pyproject.toml", checkout / "pyproject.toml")
+    shutil.copy(REPO / "constraints.txt", checkout / "constraints.txt")
+    error = f'echo "{PIP_ERROR}" >&2; ' if pip_status else ""
+    executable(bin_dir / "pip", f'echo "WARNING: Location is not writable (harmless)" >&2; echo "pip $*" >> '
+                                f'"{tmp_path}/pip.log"; {error}exit {pip_status}')
+    executable(bin_dir / "python", f'if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin"; '
+                                   f'ln -s "$(command -v pip)" "$3/bin/pip"; ln -s "{venv_python}" "$3/bin/python"; '
+                                   f'exit 0; fi\nexec "{sys.executable}" "$@"')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SGL_TTS_CACHE": str(cache), "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(checkout / "scripts/setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    return done, checkout, cache
+
+
+def executable(path, body):
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def complete_marks(cache):
+    return list(cache.glob("venv-*/.sgl-tts-complete"))
+
+
+def test_a_failing_pip_stops_set_up_with_pips_message_and_no_complete_mark(tmp_path):
+    done, checkout, cache = fake_setup(tmp_path, pip_status=1, venv_python=sys.executable)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert PIP_ERROR in output and "'pip install --upgrade pip' failed" in output, output
+    assert "WARNING: Location" not in output, "the known harmless line is filtered"
+    assert (tmp_path / "pip.log").read_text().splitlines() == ["pip install -q --upgrade pip"], "stopped there"
+    assert complete_marks(cache) == [] and not (checkout / ".venv").exists()
+
+
+def test_set_up_is_marked_complete_only_when_every_declared_package_imports(tmp_path):
+    bare = tmp_path / "bare-python"  # the system's Python without site-packages: no declared package imports
+    executable(bare, f'exec "{sys.base_prefix}/bin/python3" -S "$@"')
+    done, checkout, cache = fake_setup(tmp_path, pip_status=0, venv_python=bare)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "pip install -q -c constraints.txt -e .[test]" in (tmp_path / "pip.log").read_text(), "the test extra is installed"
+    message = next(line for line in done.stderr.splitlines() if "do not import" in line)
+    missing = [item.split(" (")[0] for item in message.split("do not import: ", 1)[1].split("; ")]
+    assert {"sglang", "torch", "yaml", "math_verify", "sglang_router", "pytest", "nbclient"} <= set(missing)
+    for name in missing:  # the names are import names: each imports in this (complete) environment
+        __import__(name)
+    assert complete_marks(cache) == [] and not (checkout / ".venv").exists()
+
+
+def test_the_python_floor_matches_the_code():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11", "tomllib (setup.sh, tests) is Python 3.11+"
+    assert "pytest" in project["optional-dependencies"]["test"] and not any(
+        d.startswith(("pytest", "nbclient", "nbformat", "ipykernel")) for d in project["dependencies"])
+
+
+def test_the_environment_is_installed_at_the_committed_versions():
+    pins = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
+    assert all("==" in line for line in pins), "every constraint is an exact version"
+    names = {line.split("==")[0].lower() for line in pins}
+    for pinned in ("sglang", "torch", "transformers", "sglang-router", "pytest"):
+        assert pinned in names, f"{pinned} has a pinned version"
+    assert "-c constraints.txt" in (REPO / "scripts/setup.sh").read_text(), "set-up installs under the constraints"

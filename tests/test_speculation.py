@@ -235,6 +235,26 @@ def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard
     stats = result.extra["speculation"]
     assert stats["aborted"] == sum(e["reason"] == "abort" for e in speculative) > 0
     assert stats["launched"] == len(speculative)
+    # every speculative token is used, discarded, or still waiting for the next iteration
+    assert stats["tokens_used"] + stats["tokens_discarded"] + stats["tokens_pending"] == stats["tokens"] > 0
+    assert stats["polls"] >= stats["idle_slot_polls"] > 0, "no engine limit: every poll saw idle slots"
+    iterations = result.extra["speculation_iterations"]
+    assert 1 < len(iterations) <= max(decode_rid(e["rid"]).iteration for e in backend.entries("standard")) + 1
+    for key in ("launched", "polls", "idle_slot_polls", "tokens_used", "tokens_discarded"):
+        assert sum(it[key] for it in iterations) == stats[key], f"the iterations' {key} add up"
+
+
+def test_an_engine_without_idle_slots_counts_polls_but_launches_nothing():
+    class FullEngine(TimedScriptedBackend):
+        def idle_slots(self):
+            return 0
+
+    backend = FullEngine(MODEL)
+    runtimes = Runtimes(generator=backend, scorer=ScriptedScorer(), prompt=lambda q: PROMPT,
+                        extension_factory=extension_factory(from_label("S"), backend))
+    stats = load_program("beam_search")(PROBLEM, SEARCH, runtimes).extra["speculation"]
+    assert stats["launched"] == stats["idle_slot_polls"] == 0
+    assert stats["polls"] == stats["engine_full"] > 0
 
 
 def test_max_speculative_caps_the_requests_in_flight():

@@ -26,6 +26,7 @@ from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
 from sgl_tts.search.api import Runtimes, SearchConfig, SearchError, fill_in_counts
 from sgl_tts.search.context import SearchContext
+from sgl_tts.search.limits import Limits, check_limits
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # SGLang honours per-request sampling_seed only with it
 
@@ -49,10 +50,12 @@ class RunConfig:
     # generator's runtime serve it.
     target: RuntimeConfig | Literal["generator"] | None = None
     fasttts: FastTTSConfig = field(default_factory=FastTTSConfig)  # switches P, M, S (sgl_tts.fasttts.switches)
+    limits: Limits = field(default_factory=Limits)  # upper bounds of a search and of a served request
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        check_limits(self.search, self.limits, "search.")
 
 
 RUN_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # sgl_tts/configs: package data
@@ -94,7 +97,7 @@ def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
     # One KV split of the scorer and target runtimes with the generator's, for the paths one step decodes.
     paths = program_decoded_paths(config.search.program, config.search, config.concurrency)
     settings = configure_runtimes(config.fasttts, config.search, wanted["generator"], wanted.get("scorer"),
-                                  wanted.get("target"), paths)
+                                  wanted.get("target"), paths, searches=config.concurrency)
     wanted["generator"] = settings.generator
     if settings.verifier is not None:
         wanted["scorer"] = settings.verifier
@@ -159,7 +162,7 @@ class Session:
                 send_seed=DETERMINISTIC_FLAG in generator.config.extra_args),
             scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
-            extension_factory=extension_factory(fast, HttpSpeculationClient(generator, fast.engine_batch),
+            extension_factory=extension_factory(fast, HttpSpeculationClient(generator, self.fasttts.engine_batch),
                                                 tokenizer, fast.seed) if fast.speculative else None,
         )
         target = self.runtimes.get("target", generator if self.config.target == "generator" else None)

@@ -1,15 +1,20 @@
-"""`sgl-tts bench fasttts`: the FastTTS ablation (Fig. 16) as the measure of record, with repeats.
+"""`sgl-tts bench fasttts`: FastTTS measured by the paper's own protocol (§5-6: Fig. 12, 13, 16), with repeats.
 
-For each search program (beam search, DVTS, dynamic branching, varying granularity), each n and each arm —
-the baseline (FCFS, no speculation, a static 50/50 split of a KV budget small enough to force evictions,
-every path re-scored from its start), V (verifier prefix reuse alone), P, P+M, P+M+S and all (V+P+M+S) —
-several problems are searched at once (`--concurrency`), as a server sees them. Each cell (program, n, arm)
+The protocol (`PROTOCOL`): one search at a time (batch size 1, "interactive edge scenarios"; `--concurrency`
+can change it), n = 16, 64, 256 (`--ns`), the four programs of Fig. 11 (beam search, DVTS, dynamic branching,
+varying granularity), and the arms baseline (FCFS, no speculation, a static 50/50 KV split, every path
+re-scored from its start), P, P+M, P+M+S and all (V+P+M+S; V, verifier prefix reuse alone, can be asked for).
+The KV budget follows the workload: each n runs at `--budget-fraction` of its working set (generator and
+verifier, `sgl_tts.runtime.memory_plan.search_working_sets`), so that memory is as tight at n = 256 as at
+n = 16 (a fixed budget is ample at small n and thrashes at large n). Each cell (program, n, fraction, arm)
 runs `--repeats` times; the repeats are interleaved (repeat r runs every cell before repeat r+1 starts, and
 the arm order rotates by one each repeat), so slow phases of a shared machine spread over all arms.
 
 Reported per cell: the median with min-max over repeats of the mean precise goodput, the p50 completion
-latency, the verifier's share of time and its cache hit (input tokens its runtime served from the radix
-cache), and the generator runtime's evicted tokens and retracted requests (its Prometheus counters). A ratio
+latency, the verifier's share of time and its cache hit, planned (`memory_plan.planned_verifier_hit` of the
+verifier's KV tokens) and measured (Σ cached / Σ input tokens of the scorer's calls, from each result's
+`verifier_iterations`), the generator runtime's evicted tokens and retracted requests (its Prometheus
+counters), and S's polls with an idle engine slot, launches, and head-start tokens used and discarded. A ratio
 to the baseline is marked `*` only where the ranges do not overlap: only those are claimed as speed-ups.
 Runtimes are kept alive between cells that want the same settings (at most `--live-sessions` sets at once);
 a runtime's radix cache is flushed before every cell, and a new runtime is warmed up by a short search.
@@ -27,12 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from sgl_tts.measure.summary import median_min_max, median_range
+from sgl_tts.paths import write_atomic
 from sgl_tts.measure.tables import Column, console_table
 
-ARMS = ("baseline", "V", "P", "P+M", "P+M+S", "all")
+ARMS = ("baseline", "P", "P+M", "P+M+S", "all")
 PROGRAMS = ("beam_search", "dvts", "dynamic_branching", "varying_granularity")
-QUICK = {"programs": "beam_search", "ns": "8", "arms": "baseline,all", "problems": 3, "repeats": 3,
-         "concurrency": 3}
+NS = "16,64,256"
+BUDGET_FRACTIONS = "0.5"
+CONCURRENCY = 1
+QUICK = {"programs": "beam_search", "ns": "16", "arms": "baseline,all", "problems": 3, "repeats": 3}
+PROTOCOL = ("FastTTS §5-6: one search at a time (concurrency {concurrency}), n in {ns}, KV budget = "
+            "{fractions} x the working set of generator + verifier at each n (memory_plan.search_working_sets)")
 METRICS = ("goodput", "p50_latency_s", "verifier_share", "verifier_cache_hit", "evicted_tokens", "retracted")
 LOWER_IS_BETTER = {"p50_latency_s", "verifier_share", "evicted_tokens", "retracted"}
 SERVER_COUNTERS = {"evicted_tokens": "sglang:evicted_tokens_total",
@@ -74,10 +84,11 @@ def flush_caches(runtimes: dict[str, Any]) -> None:
             response.read()
 
 
-def measure(results: list[Any], verifier: tuple[int, int] = (0, 0), server: dict[str, float] | None = None
+def measure(results: list[Any], server: dict[str, float] | None = None, plan: dict[str, Any] | None = None
             ) -> dict[str, Any]:
-    """One cell's numbers: mean precise goodput, p50 latency, verifier share and cache hit, server counters.
-    `verifier` is (input tokens, cached tokens) the verifier read during the cell."""
+    """One cell's numbers: mean precise goodput, p50 latency, verifier share and cache hit (Σ cached / Σ input
+    tokens of the scorer's calls, each result's `verifier_iterations`), S's counts summed over the searches,
+    server counters, and `plan` (the cell's budget and split, `cell_plan`) as given."""
     from sgl_tts.measure.metrics import aggregate_rows
 
     summary = aggregate_rows(results)
@@ -85,8 +96,10 @@ def measure(results: list[Any], verifier: tuple[int, int] = (0, 0), server: dict
     for result in results:
         for key, value in result.extra.get("speculation", {}).items():
             speculation[key] = speculation.get(key, 0) + value
-    read, cached = verifier
+    calls = [call for result in results for call in result.extra.get("verifier_iterations", [])]
+    read, cached = sum(c["input_tokens"] for c in calls), sum(c["cached_tokens"] for c in calls)
     return {
+        **(plan or {}),
         "problems": summary["problems"],
         "errors": summary["errors"],
         "goodput": summary["precise_goodput"]["mean"] or 0.0,
@@ -112,67 +125,121 @@ def compare(arm: list[float], base: list[float], lower_is_better: bool) -> tuple
     return ratio, separated
 
 
-TABLE_COLUMNS = (Column("program", 20, "<"), Column("n", 3), Column("arm", 7, "<"), Column("goodput tok/s", 20),
-                 Column("x base", 7), Column("p50 latency s", 20), Column("x base", 7), Column("ver share", 9),
-                 Column("ver hit", 7), Column("evicted", 8), Column("retract", 7))
+Cell = tuple[str, int, float, str]  # (program, n, budget fraction, arm)
+
+TABLE_COLUMNS = (Column("program", 20, "<"), Column("n", 3), Column("frac", 4), Column("arm", 7, "<"),
+                 Column("goodput tok/s", 20), Column("x base", 7), Column("p50 latency s", 20), Column("x base", 7),
+                 Column("ver share", 9), Column("ver hit plan/meas", 17), Column("KV gen/ver tok", 14),
+                 Column("evicted", 8), Column("retract", 7), Column("S idle/polls launched", 21),
+                 Column("S tok used/discarded", 20))
 
 
-def format_table(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list[str], ns: list[int],
-                 arms: list[str]) -> str:
+def _median(runs: list[dict[str, Any]], get: Any) -> float:
+    values = [v for v in (get(r) for r in runs) if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def format_table(cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int],
+                 fractions: list[float], arms: list[str]) -> str:
     """Medians [min-max] per cell, with ratios of medians to the baseline; `*` where the ranges do not overlap."""
+    return console_table(TABLE_COLUMNS, table_rows(cells, programs, ns, fractions, arms))
+
+
+def table_rows(cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int],
+               fractions: list[float], arms: list[str]) -> list[list[str]]:
+    """The cells of `format_table` (and of the Markdown table), one row per measured arm."""
     rows = []
     for program in programs:
         for n in ns:
-            base = cells.get((program, n, "baseline"))
-            for arm in arms:
-                runs = cells.get((program, n, arm))
-                if not runs:
-                    continue
-                goodput = [r["goodput"] for r in runs]
-                latency = [r["p50_latency_s"] for r in runs]
-                g_ratio, g_sep = compare(goodput, [r["goodput"] for r in base], False) if base else (float("nan"), False)
-                l_ratio, l_sep = compare(latency, [r["p50_latency_s"] for r in base], True) if base else (float("nan"), False)
-                rows.append([
-                    program, str(n), arm, median_range(goodput, "7.3f", "5.2f"),
-                    f"{g_ratio:5.2f}x{'*' if g_sep and arm != 'baseline' else ' '}",
-                    median_range(latency, "7.1f", "5.1f"),
-                    f"{l_ratio:5.2f}x{'*' if l_sep and arm != 'baseline' else ' '}",
-                    f"{statistics.median(r['verifier_share'] for r in runs):.2f}",
-                    f"{statistics.median(r['verifier_cache_hit'] for r in runs):.2f}",
-                    f"{statistics.median(r['evicted_tokens'] for r in runs):.0f}",
-                    f"{statistics.median(r['retracted'] for r in runs):.0f}"])
-    return console_table(TABLE_COLUMNS, rows)
+            for fraction in fractions:
+                base = cells.get((program, n, fraction, "baseline"))
+                for arm in arms:
+                    runs = cells.get((program, n, fraction, arm))
+                    if not runs:
+                        continue
+                    goodput = [r["goodput"] for r in runs]
+                    latency = [r["p50_latency_s"] for r in runs]
+                    nan = (float("nan"), False)
+                    g_ratio, g_sep = compare(goodput, [r["goodput"] for r in base], False) if base else nan
+                    l_ratio, l_sep = compare(latency, [r["p50_latency_s"] for r in base], True) if base else nan
+                    spec = lambda key: _median(runs, lambda r: r["speculation"].get(key, 0))
+                    rows.append([
+                        program, str(n), f"{fraction:g}", arm, median_range(goodput, "7.3f", "5.2f"),
+                        f"{g_ratio:5.2f}x{'*' if g_sep and arm != 'baseline' else ' '}",
+                        median_range(latency, "7.1f", "5.1f"),
+                        f"{l_ratio:5.2f}x{'*' if l_sep and arm != 'baseline' else ' '}",
+                        f"{_median(runs, lambda r: r['verifier_share']):.2f}",
+                        f"{_median(runs, lambda r: r.get('planned_verifier_hit')):.2f}/"
+                        f"{_median(runs, lambda r: r['verifier_cache_hit']):.2f}",
+                        f"{_median(runs, lambda r: r.get('kv_generator_tokens')):.0f}/"
+                        f"{_median(runs, lambda r: r.get('kv_verifier_tokens')):.0f}",
+                        f"{_median(runs, lambda r: r['evicted_tokens']):.0f}",
+                        f"{_median(runs, lambda r: r['retracted']):.0f}",
+                        f"{spec('idle_slot_polls'):.0f}/{spec('polls'):.0f} {spec('launched'):.0f}"
+                        if runs[0]["speculation"] else "-",
+                        f"{spec('tokens_used'):.0f}/{spec('tokens_discarded'):.0f}" if runs[0]["speculation"] else "-"])
+    return rows
 
 
-def plot(cells: dict[tuple[str, int, str], list[dict[str, Any]]], programs: list[str], ns: list[int],
+def format_budgets(budgets: dict[tuple[int, float], dict[str, Any]]) -> str:
+    """One line per (n, fraction): the working sets and the budget, in tokens and MiB."""
+    columns = (Column("n", 4), Column("frac", 4), Column("W gen tok", 9), Column("W ver tok", 9),
+               Column("W MiB", 8), Column("budget MiB", 10), Column("note", 24, "<"))
+    rows = [[str(n), f"{fraction:g}", str(b["working_set_tokens"]["generator"]),
+             str(b["working_set_tokens"]["verifier"]), f"{b['working_set_mib']:.1f}", f"{b['budget_mib']:.1f}",
+             "raised to the floors" if b["raised_to_floors"] else ""]
+            for (n, fraction), b in sorted(budgets.items())]
+    return console_table(columns, rows)
+
+
+def cell_budget(n: int, fraction: float, beam_width: int, prompt_tokens: int, max_tokens: int,
+                max_step_tokens: int, kv_bytes: dict[str, int], searches: int = 1) -> dict[str, Any]:
+    """The KV budget of a cell: `fraction` of the generator's and verifier's working sets in bytes
+    (`memory_plan.search_working_sets`, `kv_bytes` per token by role), raised where needed so that equal halves
+    each hold the longest request (prompt + max_tokens + max_step_tokens: the baseline's static split)."""
+    from sgl_tts.runtime.memory_plan import MIB, longest_request_tokens, search_working_sets
+
+    if not 0 < fraction:
+        raise ValueError(f"a budget fraction must be positive, got {fraction}")
+    sets = search_working_sets(n, beam_width, prompt_tokens, max_tokens, max_step_tokens, searches)
+    working = sum(sets[role] * kv_bytes[role] for role in sets)
+    floor = longest_request_tokens(prompt_tokens, max_tokens, max_step_tokens)
+    floors = 2 * max(floor * kv_bytes[role] for role in sets)
+    budget = max(fraction * working, floors)
+    return {"working_set_tokens": sets, "working_set_mib": working / MIB, "budget_mib": budget / MIB,
+            "raised_to_floors": budget > fraction * working}
+
+
+def plot(cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int], fractions: list[float],
          arms: list[str], path: Path) -> None:
-    """FastTTS Fig. 16 style: per program, goodput and p50 latency per arm and n (median, min-max bars)."""
+    """FastTTS Fig. 12 (goodput vs n) and Fig. 13 (p50 completion latency vs n): one panel per program (and
+    budget fraction), one line per arm, the median with min-max bars; n on a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(programs), 2, figsize=(11, 3.2 * len(programs)), squeeze=False)
-    width = 0.8 / len(arms)
-    for row, program in enumerate(programs):
-        for col, (metric, title) in enumerate((("goodput", "precise goodput, tok/s"),
-                                               ("p50_latency_s", "p50 completion latency, s"))):
+    panels = [(program, fraction) for fraction in fractions for program in programs]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels), 6.4), squeeze=False)
+    for col, (program, fraction) in enumerate(panels):
+        for row, (metric, title) in enumerate((("goodput", "Fig. 12: precise goodput, tok/s"),
+                                               ("p50_latency_s", "Fig. 13: p50 completion latency, s"))):
             ax = axes[row][col]
-            for k, arm in enumerate(arms):
-                xs, medians, lows, highs = [], [], [], []
-                for i, n in enumerate(ns):
-                    runs = cells.get((program, n, arm))
-                    if runs:
-                        median, low, high = median_min_max([r[metric] for r in runs])
-                        xs.append(i + (k - (len(arms) - 1) / 2) * width)
-                        medians.append(median)
-                        lows.append(median - low)
-                        highs.append(high - median)
-                ax.bar(xs, medians, width, yerr=[lows, highs], capsize=2, label=arm)
-            ax.set_xticks(range(len(ns)), [f"n={n}" for n in ns])
-            ax.set_title(f"{program}: {title}", fontsize=9)
+            for arm in arms:
+                points = [(n, median_min_max([r[metric] for r in cells[(program, n, fraction, arm)]]))
+                          for n in ns if cells.get((program, n, fraction, arm))]
+                if not points:
+                    continue
+                xs = [n for n, _ in points]
+                medians = [m for _, (m, _, _) in points]
+                errors = [[m - low for _, (m, low, _) in points], [high - m for _, (m, _, high) in points]]
+                ax.errorbar(xs, medians, yerr=errors, marker="o", capsize=2, label=arm)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.set_xlabel("n (beams)")
+            ax.set_title(f"{program}, budget {fraction:g}x working set\n{title}", fontsize=8)
             if row == 0 and col == 0:
-                ax.legend(fontsize=7, ncols=3)
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -185,24 +252,25 @@ class BenchOptions:
     config: str = "cpu-default"  # run config (YAML path or packaged name): models, verifier
     quick: bool = False  # QUICK's values for what is not given
     programs: str | None = None  # default: PROGRAMS
-    ns: str | None = None  # beam counts n (default 8,16,32)
+    ns: str | None = None  # beam counts n (default NS)
     arms: str | None = None  # default: ARMS
     problems: int | None = None  # bundled problems per cell (default 5)
     repeats: int | None = None  # runs of every cell, interleaved (default 3)
-    concurrency: int | None = None  # searches at once (default 3)
+    concurrency: int = CONCURRENCY  # searches at once (the paper: 1)
+    budget_fraction: str = BUDGET_FRACTIONS  # KV budget as fractions of the working set, one cell each
     beam_width: int = 4
     max_steps: int = 3
     max_step_tokens: int = 24
     step_delimiter: str = "\\n"  # escapes allowed
-    kv_budget_mib: float = 24.0
+    kv_budget_mib: float | None = None  # a fixed budget instead of the fractions of the working set
     hardware: str = "this-machine"
     prompt_tokens: int = 80
     max_speculative: int | None = None
-    engine_batch: int = 16
+    engine_batch: int | None = None  # None: from the generator's KV (memory_plan.engine_batch_for)
     live_sessions: int = 2
     seed: int = 0
     log_dir: str | None = None
-    out: str | None = None  # folder for the JSON of every run and the plot
+    out: str | None = None  # folder for the JSON, the Markdown table and the plots of every run
 
 
 def _base_config(options: BenchOptions) -> Any:
@@ -219,86 +287,139 @@ def _base_config(options: BenchOptions) -> Any:
         max_step_tokens=options.max_step_tokens, max_tokens=options.max_steps * options.max_step_tokens,
         step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
     return dataclasses.replace(config, generator=metrics(config.generator), scorer=scorer, search=search,
-                               concurrency=options.concurrency or 3, log_dir=options.log_dir)
+                               concurrency=options.concurrency, log_dir=options.log_dir)
+
+
+def protocol_of(options: BenchOptions, ns: list[int], fractions: list[float]) -> str:
+    if options.kv_budget_mib is not None:
+        budget = f"a fixed KV budget of {options.kv_budget_mib:g} MiB at every n"
+        return PROTOCOL.split(", KV budget")[0].format(concurrency=options.concurrency, ns=ns) + ", " + budget
+    return PROTOCOL.format(concurrency=options.concurrency, ns=ns, fractions="/".join(f"{f:g}" for f in fractions))
+
+
+def resolved(options: BenchOptions) -> tuple[BenchOptions, list[str], list[int], list[float], list[FastTTSArm], int]:
+    """(options with `quick`'s values filled in, programs, ns, budget fractions, arms, repeats): what runs."""
+    if options.quick:
+        options = dataclasses.replace(options, **{key: value for key, value in QUICK.items()
+                                                  if getattr(options, key) is None})
+    programs = (options.programs or ",".join(PROGRAMS)).split(",")
+    ns = [int(n) for n in (options.ns or NS).split(",")]
+    fractions = [float(f) for f in options.budget_fraction.split(",")]
+    arms = [FastTTSArm.parse(label) for label in (options.arms or ",".join(ARMS)).split(",")]
+    return options, programs, ns, fractions, arms, options.repeats or 3
 
 
 def run_bench(options: BenchOptions) -> int:
     from sgl_tts.app.session import SessionPool
     from sgl_tts.fasttts.switches import describe_settings, from_label
+    from sgl_tts.measure.tables import markdown_table
     from sgl_tts.problems import load_problems
+    from sgl_tts.runtime.memory_plan import model_spec_for
 
-    if options.quick:
-        options = dataclasses.replace(options, **{key: value for key, value in QUICK.items()
-                                                  if getattr(options, key) is None})
-    programs = (options.programs or ",".join(PROGRAMS)).split(",")
-    ns = [int(n) for n in (options.ns or "8,16,32").split(",")]
-    arms = [FastTTSArm.parse(label) for label in (options.arms or ",".join(ARMS)).split(",")]
-    repeats = options.repeats or 3
+    options, programs, ns, fractions, arms, repeats = resolved(options)
     base = _base_config(options)
     for arm in arms:
         from_label(arm.switches)
+    kv_bytes = {"generator": model_spec_for(base.generator).kv_bytes_per_token}
+    kv_bytes["verifier"] = (model_spec_for(base.scorer.runtime).kv_bytes_per_token if base.scorer.runtime
+                            else kv_bytes["generator"])
+    budgets = {(n, fraction): cell_budget(n, fraction, options.beam_width, options.prompt_tokens,
+                                          base.search.max_tokens, options.max_step_tokens, kv_bytes,
+                                          options.concurrency)
+               for n in ns for fraction in fractions}
     problems = load_problems(base.dataset.name, limit=options.problems or 5, offset=base.dataset.offset)
-    print(f"bench fasttts: programs={programs} n={ns} arms={[a.label for a in arms]} repeats={repeats} "
-          f"problems={len(problems)} concurrency={base.concurrency} model={base.generator.model} "
-          f"verifier={base.scorer.kind} beam_width={options.beam_width} "
-          f"steps<={options.max_steps}x{options.max_step_tokens} KV budget {options.kv_budget_mib} MiB", flush=True)
-    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    protocol = protocol_of(options, ns, fractions)
+    print(f"bench fasttts ({protocol}): programs={programs} arms={[a.label for a in arms]} repeats={repeats} "
+          f"problems={len(problems)} model={base.generator.model} verifier={base.scorer.kind} "
+          f"beam_width={options.beam_width} steps<={options.max_steps}x{options.max_step_tokens}", flush=True)
+    if options.kv_budget_mib is None:
+        print(format_budgets(budgets), flush=True)
+    cells: dict[Cell, list[dict[str, Any]]] = {}
     pool = SessionPool(options.live_sessions)
     began = time.monotonic()
     try:
         for repeat in range(repeats):
             order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
-            for arm in order:
-                fast = from_label(arm.switches, kv_budget_mib=options.kv_budget_mib, hardware=options.hardware,
-                                  prompt_tokens=options.prompt_tokens, max_speculative=options.max_speculative,
-                                  engine_batch=options.engine_batch, seed=options.seed)
-                for program in programs:
-                    for n in ns:
-                        search = dataclasses.replace(base.search, program=program, n=n)
-                        scorer = dataclasses.replace(base.scorer, incremental=arm.verifier_reuse)
-                        config = dataclasses.replace(base, search=search, scorer=scorer, fasttts=fast)
-                        row = run_cell(pool, config, problems, describe_settings)
-                        cells.setdefault((program, n, arm.label), []).append(row)
-                        print(f"[repeat {repeat + 1} {program} n={n} {arm.label}] goodput {row['goodput']:.3f} tok/s, "
-                              f"p50 {row['p50_latency_s']:.1f} s, verifier share {row['verifier_share']:.2f}, "
-                              f"verifier cache hit {row['verifier_cache_hit']:.2f}, evicted {row['evicted_tokens']:.0f}, "
-                              f"retracted {row['retracted']:.0f}, errors {row['errors']}"
-                              + (f", speculation {row['speculation']}" if row["speculation"] else ""), flush=True)
+            # n and the fraction set the budget, hence the runtimes: the programs run on the same ones
+            for n in ns:
+                for fraction in fractions:
+                    budget = budgets[(n, fraction)]
+                    for arm in order:
+                        fast = from_label(arm.switches, kv_budget_mib=options.kv_budget_mib or budget["budget_mib"],
+                                          hardware=options.hardware, prompt_tokens=options.prompt_tokens,
+                                          max_speculative=options.max_speculative,
+                                          engine_batch=options.engine_batch, seed=options.seed)
+                        for program in programs:
+                            search = dataclasses.replace(base.search, program=program, n=n)
+                            scorer = dataclasses.replace(base.scorer, incremental=arm.verifier_reuse)
+                            config = dataclasses.replace(base, search=search, scorer=scorer, fasttts=fast)
+                            row = run_cell(pool, config, problems, describe_settings)
+                            row.update(budget)
+                            cells.setdefault((program, n, fraction, arm.label), []).append(row)
+                            print(f"[repeat {repeat + 1} {program} n={n} x{fraction:g} {arm.label}] goodput "
+                                  f"{row['goodput']:.3f} tok/s, p50 {row['p50_latency_s']:.1f} s, verifier share "
+                                  f"{row['verifier_share']:.2f}, verifier cache hit planned "
+                                  f"{row['planned_verifier_hit']} measured {row['verifier_cache_hit']:.2f}, "
+                                  f"evicted {row['evicted_tokens']:.0f}, retracted {row['retracted']:.0f}, "
+                                  f"errors {row['errors']}"
+                                  + (f", speculation {row['speculation']}" if row["speculation"] else ""), flush=True)
     finally:
         pool.close()
     labels = [a.label for a in arms]
-    print(f"\nFastTTS ablation, {repeats} interleaved repeats per cell ({time.monotonic() - began:.0f} s in all); "
-          f"median [min-max]; * = ranges do not overlap the baseline's")
-    print(format_table(cells, programs, ns, labels))
+    rows = table_rows(cells, programs, ns, fractions, labels)
+    print(f"\nFastTTS, {protocol}; {repeats} interleaved repeats per cell ({time.monotonic() - began:.0f} s in "
+          f"all); median [min-max]; * = ranges do not overlap the baseline's")
+    print(console_table(TABLE_COLUMNS, rows))
     if options.out:
         out = Path(options.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-fasttts.json").write_text(json.dumps(
-            {"args": dataclasses.asdict(options),
-             "cells": [{"program": p, "n": n, "arm": a, "runs": runs} for (p, n, a), runs in cells.items()]},
+        write_atomic(out / "bench-fasttts.json", json.dumps(
+            {"protocol": protocol, "concurrency": options.concurrency,
+             "budget_rule": (f"fixed {options.kv_budget_mib:g} MiB" if options.kv_budget_mib is not None
+                             else f"fractions {fractions} of the working set"),
+             "budgets": [{"n": n, "fraction": f, **b} for (n, f), b in budgets.items()],
+             "args": dataclasses.asdict(options),
+             "cells": [{"program": p, "n": n, "fraction": f, "arm": a, "runs": runs}
+                       for (p, n, f, a), runs in cells.items()]},
             indent=1, default=str))
-        plot(cells, programs, ns, labels, out / "bench-fasttts.png")
-        print(f"wrote {out / 'bench-fasttts.json'} and {out / 'bench-fasttts.png'}")
+        write_atomic(out / "bench-fasttts.md",
+            f"Protocol: {protocol}; {repeats} interleaved repeats; median [min-max]; * = ranges separate.\n\n"
+            + markdown_table([c.title for c in TABLE_COLUMNS], rows) + "\n")
+        plot(cells, programs, ns, fractions, labels, out / "bench-fasttts.png")
+        print(f"wrote {out / 'bench-fasttts.json'}, {out / 'bench-fasttts.md'} and {out / 'bench-fasttts.png'}")
     return 0
 
 
+def cell_plan(settings: Any, search: Any, prompt_tokens: int, searches: int) -> dict[str, Any]:
+    """The split a cell's runtimes were started with (`fasttts.switches.RuntimeSettings`): KV tokens per
+    runtime, S's engine batch, and the verifier cache hit that split plans (`memory_plan.planned_verifier_hit`;
+    None when the scorer shares the generator's cache without a plan)."""
+    import math
+
+    from sgl_tts.runtime.memory_plan import planned_verifier_hit
+
+    verifier = settings.verifier.max_total_tokens if settings.verifier is not None else (
+        settings.plan.verifier.max_total_tokens if settings.plan is not None and settings.plan.budgets else None)
+    kept = max(1, math.ceil(search.n / search.beam_width))
+    planned = (round(planned_verifier_hit(verifier, prompt_tokens, search.n, kept, search.max_tokens,
+                                          search.max_step_tokens, searches), 3) if verifier else None)
+    return {"kv_generator_tokens": settings.generator.max_total_tokens, "kv_verifier_tokens": verifier,
+            "engine_batch": settings.engine_batch, "planned_verifier_hit": planned}
+
+
 def run_cell(pool: Any, config: Any, problems: list[Any], describe: Any) -> dict[str, Any]:
-    """One (program, n, arm) run over the problems, `config.concurrency` at a time, on flushed caches, with a
-    session from `pool` (`sgl_tts.app.session.SessionPool`)."""
+    """One (program, n, fraction, arm) run over the problems, `config.concurrency` at a time, on flushed caches,
+    with a session from `pool` (`sgl_tts.app.session.SessionPool`)."""
     session = pool.switch(config)
     try:
         if len(session.reused) < len(session.runtimes):
             print(f"  runtimes started: {describe(session.fasttts)}", flush=True)
             session.solve(problems[0], dataclasses.replace(config.search, n=2, max_steps=1))  # warm-up
         flush_caches(session.runtimes)
-        scorer = session.search_runtimes.scorer
-        before_read = getattr(scorer, "tokens_processed", 0)
-        before_cached = getattr(scorer, "tokens_cached", 0)
         before_server = server_counters(session.runtimes["generator"])
         results = [result for _, result in session.solve_all(problems)]
         after_server = server_counters(session.runtimes["generator"])
-        verifier = (getattr(scorer, "tokens_processed", 0) - before_read,
-                    getattr(scorer, "tokens_cached", 0) - before_cached)
+        plan = cell_plan(session.fasttts, config.search, config.fasttts.prompt_tokens, config.concurrency)
     finally:
         pool.give_back(session)
-    return measure(results, verifier, {k: after_server[k] - before_server[k] for k in SERVER_COUNTERS})
+    return measure(results, {k: after_server[k] - before_server[k] for k in SERVER_COUNTERS}, plan)

@@ -20,6 +20,7 @@ import time
 from typing import Sequence
 
 from sgl_tts.measure.summary import median_range
+from sgl_tts.paths import write_atomic
 from sgl_tts.measure.tables import Column, console_table
 from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
@@ -131,7 +132,6 @@ def run_bench(options: BenchOptions) -> int:
               f"({', '.join(f'{arm} {len(calls[arm])}' for arm in ARMS)}):")
         print(format_table(calls))
         if options.out:
-            with open(options.out, "w") as f:
-                json.dump({"args": dataclasses.asdict(options), "calls": calls}, f, indent=2)
+            write_atomic(options.out, json.dumps({"args": dataclasses.asdict(options), "calls": calls}, indent=2))
             print(f"wrote {options.out}")
     return 0

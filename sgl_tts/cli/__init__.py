@@ -17,7 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_tts.cli import bench, plan, rsd, run, serve, train
     from sgl_tts.cli import eval as eval_commands
 
+    from sgl_tts import __version__
+
     parser = argparse.ArgumentParser(prog="sgl-tts", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"sgl-tts {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run.add_parsers(commands)  # programs, run
     bench.add_parsers(commands)
@@ -45,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop_on_sigterm()
     from sgl_tts.config import ConfigError
+    from sgl_tts.paths import FolderLocked
     from sgl_tts.problems import DatasetError
     from sgl_tts.runtime.cpu_shim import ShimBuildError
     from sgl_tts.runtime.models import ModelNotFoundError
@@ -52,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DatasetError, ModelNotFoundError, RuntimeStartError, ShimBuildError, KeyError) as exc:
+    except (ConfigError, DatasetError, FolderLocked, ModelNotFoundError, RuntimeStartError, ShimBuildError,
+            KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"sgl-tts: error: {message}", file=sys.stderr)
         return 2

@@ -8,7 +8,9 @@ import re
 import shlex
 
 from sgl_tts.bench.fasttts import ARMS as FASTTTS_ARMS
+from sgl_tts.bench.fasttts import BUDGET_FRACTIONS, CONCURRENCY, NS
 from sgl_tts.bench.fasttts import PROGRAMS as FASTTTS_PROGRAMS
+from sgl_tts.bench.policy import SIZES as POLICY_SIZES
 from sgl_tts.bench.runtime import HF_ARM, RuntimeArm
 
 _ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -48,35 +50,57 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help="KV tokens of each SGLang arm (they run side by side in host memory)")
     parser.set_defaults(func=bench_runtime)
 
-    parser = bench_commands.add_parser("fasttts", help="FastTTS ablation with repeats: baseline vs V, P, P+M, "
-                                                       "P+M+S, all (Fig. 16)")
+    parser = bench_commands.add_parser("fasttts", help="FastTTS by the paper's protocol: one search at a time, "
+                                                       "n = 16, 64, 256, baseline vs P, P+M, P+M+S, all "
+                                                       "(Fig. 12, 13, 16)")
     parser.add_argument("--config", default="cpu-default",
                         help="run config (YAML path or packaged name): models, verifier")
     parser.add_argument("--quick", action="store_true",
-                        help="beam search, n=8, baseline vs all, 3 problems, 3 repeats (about 10 minutes here)")
+                        help="beam search, n=16, baseline vs all, 3 problems, 3 repeats")
     parser.add_argument("--programs", default=None, help=f"comma-separated (default {','.join(FASTTTS_PROGRAMS)})")
-    parser.add_argument("--ns", default=None, help="comma-separated beam counts n (default 8,16,32)")
-    parser.add_argument("--arms", default=None, help=f"comma-separated arms (default {','.join(FASTTTS_ARMS)})")
+    parser.add_argument("--ns", default=None,
+                        help=f"comma-separated beam counts n (default {NS}, the paper's range; n = 256 takes long "
+                             f"on a CPU: cut it with e.g. --ns 16,64)")
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated arms (default {','.join(FASTTTS_ARMS)}; V, verifier prefix reuse "
+                             f"alone, on request)")
     parser.add_argument("--problems", type=int, default=None, help="bundled problems per cell (default 5)")
     parser.add_argument("--repeats", type=int, default=None, help="runs of every cell, interleaved (default 3)")
-    parser.add_argument("--concurrency", type=int, default=None, help="searches at once (default 3)")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                        help=f"searches at once (default {CONCURRENCY}: the paper's batch size of one)")
+    parser.add_argument("--budget-fraction", default=BUDGET_FRACTIONS,
+                        help=f"KV budget of each n as comma-separated fractions of its working set (generator + "
+                             f"verifier), one cell each (default {BUDGET_FRACTIONS}: memory-bound at every n; "
+                             f"1.0 holds it all)")
     parser.add_argument("--beam-width", type=int, default=4, help="children per kept beam (B)")
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--max-step-tokens", type=int, default=24)
     parser.add_argument("--step-delimiter", default="\\n",
                         help="step delimiter, escapes allowed (default \\n: SmolLM2 writes a step per line)")
-    parser.add_argument("--kv-budget-mib", type=float, default=24.0,
-                        help="KV memory shared by generator and verifier (small enough to force evictions)")
+    parser.add_argument("--kv-budget-mib", type=float, default=None,
+                        help="a fixed KV budget for generator and verifier at every n, instead of "
+                             "--budget-fraction of the working set")
     parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
     parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")
     parser.add_argument("--max-speculative", type=int, default=None, help="cap on one search's speculative requests")
-    parser.add_argument("--engine-batch", type=int, default=16,
-                        help="speculate only while the generator runs fewer requests than this")
+    parser.add_argument("--engine-batch", type=int, default=None,
+                        help="speculate only while the generator runs fewer requests than this (default: the "
+                             "sequences of one step's length the generator's KV holds)")
     parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
-    parser.add_argument("--out", default=None, help="folder for the JSON of every run and the Fig. 16 style plot")
+    parser.add_argument("--out", default=None,
+                        help="folder for the JSON of every run, the Markdown table and the Fig. 12/13 plots")
     parser.set_defaults(func=bench_fasttts)
+
+    parser = bench_commands.add_parser("policy", help="prefix-aware ordering (P) at 256 to 4,096 waiting requests: "
+                                                      "microseconds per request, interleaved repeats")
+    parser.add_argument("--sizes", default=",".join(map(str, POLICY_SIZES)),
+                        help="comma-separated waiting-queue sizes")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds; every size once per round, interleaved")
+    parser.add_argument("--beam-width", type=int, default=4, help="children per parent (B)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=bench_policy)
 
     parser = bench_commands.add_parser("verifier", help="full re-scoring vs incremental step scoring")
     parser.add_argument("--config", default="configs/cpu-default.yaml", help="run config (YAML): models, verifier")
@@ -119,6 +143,13 @@ def bench_fasttts(args: argparse.Namespace) -> int:
     from sgl_tts.bench.fasttts import BenchOptions, run_bench
 
     return run_bench(options_from(args, BenchOptions))
+
+
+def bench_policy(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.policy import run_bench
+
+    return run_bench(sizes=[int(size) for size in args.sizes.split(",")], repeats=args.repeats,
+                     beam_width=args.beam_width, seed=args.seed)
 
 
 def bench_verifier(args: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
-"""`sgl-tts programs` and `sgl-tts run` (with `--compare` and `--tree`)."""
+"""`sgl-tts programs` and `sgl-tts run` (with `--compare`, `--tree` and `--out`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+from pathlib import Path
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -17,6 +20,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
     run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
     run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
+    run.add_argument("--out", metavar="DIR", help="append each problem's result to DIR/results.jsonl as it "
+                                                  "finishes (the record `sgl-tts eval` writes per result line)")
     run.add_argument("--compare", action="store_true",
                      help="then self-consistency at matched tokens and the search with FastTTS off, side by side")
     run.set_defaults(func=run_command)
@@ -64,16 +69,65 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"sgl-tts run: program={config.search.program} n={config.search.n} "
           f"model={config.generator.model} device={config.generator.device} problems={len(problems)}"
           + (f" target={getattr(config.target, 'model', config.target)}" if config.target else ""), flush=True)
-    with Session(config) as session:
+    with contextlib.ExitStack() as stack:
+        results = None
+        if args.out:
+            from sgl_tts.paths import folder_lock
+
+            stack.enter_context(folder_lock(args.out, "writing sgl-tts run results into it"))
+            results = start_results(args.out, config)
+        session = stack.enter_context(Session(config))
         print(f"runtimes ready in {session.started_s:.0f} s: "
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
         searched: list = []
-        code = print_run(_collect(_write_trees(session.solve_all(problems), args.tree), searched), config)
+        solved = _write_trees(session.solve_all(problems), args.tree)
+        if results is not None:
+            solved = _save_results(solved, results, config)
+        code = print_run(_collect(solved, searched), config)
         if args.compare:
             from sgl_tts.app.compare import print_comparison, run_comparison
 
             print_comparison(run_comparison(session, problems, searched))
         return code
+
+
+def start_results(folder: str, config) -> "ResultStore":
+    """The JSONL store `folder`/results.jsonl with this run's header (resolved config, its hash, versions)."""
+    from sgl_tts.config import to_dict
+    from eval.report import RESULTS_FILE
+    from eval.results import ResultStore, provenance
+
+    store = ResultStore(Path(folder) / RESULTS_FILE)
+    store.append_run(provenance(to_dict(config), probe_gpu=config.generator.device == "cuda"))
+    return store
+
+
+def result_record(problem, result, config) -> dict:
+    """One problem's line, as `sgl-tts eval` writes it (arm "run", repetition 0): metrics graded against the
+    problem's gold, the whole result; a failed search's line has `failed` and its error instead of metrics."""
+    from sgl_tts.measure.metrics import problem_metrics
+    from sgl_tts.problems import DATASETS
+
+    row = {"problem_id": problem.id, "arm": "run", "dataset": config.dataset.name, "n": config.search.n,
+           "seed": config.search.seed, "repetition": 0}
+    if "level" in problem.meta:
+        row["level"] = problem.meta["level"]
+    if result.error:
+        row.update(failed=True, error=result.error)
+    else:
+        dataset = config.dataset.name if config.dataset.name in DATASETS else None
+        row.update(failed=False, metrics=problem_metrics(result, problem.gold, dataset, pass_ns=[config.search.n]))
+    row.update(timing={"total_s": result.total_time_s, "generator_s": result.generator_time_s,
+                       "verifier_s": result.verifier_time_s}, result=result.to_dict())
+    return json.loads(json.dumps(row, default=repr))  # objects JSON cannot hold (a program's `extra`): their repr
+
+
+def _save_results(pairs, store, config):
+    """Pass (problem, result) pairs through, appending each one's record to `store` as it finishes (a crash
+    keeps what finished)."""
+    for problem, result in pairs:
+        store.append(result_record(problem, result, config))
+        yield problem, result
 
 
 def _collect(pairs, into: list):

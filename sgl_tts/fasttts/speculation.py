@@ -201,10 +201,18 @@ class SpeculationStats:
     head_start_tokens: int = 0  # speculative tokens children started with (each duplicate counts its share)
     lookahead_steps: int = 0  # children whose whole step came from speculation (no generation)
     engine_full: int = 0  # times a free slot stayed unused because the engine had no idle capacity
+    polls: int = 0  # times the search had a free slot and a finished child to extend
+    idle_slot_polls: int = 0  # of those, times the engine had an idle slot (or no limit): speculation could run
+    tokens_used: int = 0  # speculative tokens a child kept: its branch's original copy's head start
+    tokens_discarded: int = 0  # speculative tokens no child kept: pruned or ended beams, surplus, truncation
+    tokens_pending: int = 0  # speculative tokens of the last iteration's branches, not yet used or discarded
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        """What changed since `before` (an `as_dict`): one iteration's counts."""
+        return {key: value - before.get(key, 0) for key, value in self.as_dict().items()}
 
 
 
@@ -261,6 +269,7 @@ class SpeculativeExtension:
                                        config.beam_width)
         pool = ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="speculate")
         state = _Round(children=[None] * len(slots), pending={}, selector=selector, pool=pool)
+        before = self.stats.as_dict()
         try:
             self._launch_standard(state, parents, config, tracker, extract_answer)
             while state.pending:
@@ -280,16 +289,27 @@ class SpeculativeExtension:
         # A beam's branches in launch order (not the order they finished in): copy k takes branch k.
         self.branches = {id(child): sorted(state.branches[slot], key=lambda b: b.launched)
                          for slot, child in enumerate(children) if child.active and state.branches.get(slot)}
+        self.stats.tokens_discarded += sum(b.tokens for slot, child in enumerate(children) if not child.active
+                                           for b in state.branches.get(slot, []))
+        self.stats.tokens_pending = sum(b.tokens for branches in self.branches.values() for b in branches)
         tracker.extra["speculation"] = self.stats.as_dict()
+        tracker.extra.setdefault("speculation_iterations", []).append(self.stats.since(before))
         return children
 
     def _launch_standard(self, state: _Round, parents: Sequence[tuple[Path, int]], config: SearchConfig,
                          tracker: SearchContext, extract_answer: Callable[[str], str | None]) -> None:
-        """Fork every parent into its copies with their head starts; generate where a step is left."""
+        """Fork every parent into its copies with their head starts; generate where a step is left. A branch's
+        tokens are used as far as its original copy keeps them (the duplicates keep less); the rest, and the
+        branches of beams not selected again, are discarded."""
+        previous, self.branches = self.branches, {}
         slot = 0
         for parent_index, (parent, count) in enumerate(parents):
-            heads = assign_head_starts(self.branches.get(id(parent), []), count, self.sampler, self.split_tokens,
-                                       self.fast.lookahead)
+            branches = previous.pop(id(parent), [])
+            heads = assign_head_starts(branches, count, self.sampler, self.split_tokens, self.fast.lookahead)
+            originals = len([b for b in branches if b.usable][:count])  # copy k < originals: branch k's original
+            used = sum(head.tokens for head in heads[:originals] if head is not None)
+            self.stats.tokens_used += used
+            self.stats.tokens_discarded += max(0, sum(b.tokens for b in branches) - used)
             parent.state.text()  # commit the prefix so the fork pre-caches it (docs/sglang.md)
             for fork, head in zip(parent.state.fork(count), heads):
                 if head is not None:
@@ -307,6 +327,7 @@ class SpeculativeExtension:
                                     temperature=config.temperature, top_p=config.top_p)
                     state.pending[slot] = _Pending(parent_index, parent, fork, head)
                 slot += 1
+        self.stats.tokens_discarded += sum(b.tokens for branches in previous.values() for b in branches)
 
     @staticmethod
     def _child(parent: Path, parent_index: int, fork: Any, text: str, meta: dict[str, Any], config: SearchConfig,
@@ -343,7 +364,10 @@ class SpeculativeExtension:
             free = min(free, self.fast.max_speculative - len(state.in_flight))
         if free <= 0 or not state.finished:
             return
+        self.stats.polls += 1
         idle = self.client.idle_slots()
+        if idle is None or idle > 0:
+            self.stats.idle_slot_polls += 1
         if idle is not None and idle < free:
             self.stats.engine_full += 1
             free = idle

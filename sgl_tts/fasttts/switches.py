@@ -26,7 +26,8 @@ from policies import POLICIES
 from policies.plugin import ENV_POLICY
 from sgl_tts.config import ConfigError
 from sgl_tts.runtime.hardware import GIB, KNOWN_HARDWARE
-from sgl_tts.runtime.memory_plan import KVSplitError, MemoryPlan, shared_kv_budget, split_kv
+from sgl_tts.runtime.memory_plan import (KVSplitError, MemoryPlan, engine_batch_for, plan_workload,
+                                         search_working_sets, shared_kv_budget, split_kv)
 from sgl_tts.runtime.server import RuntimeConfig
 from sgl_tts.search.api import SearchConfig
 
@@ -48,8 +49,9 @@ class FastTTSConfig:
     max_speculative: at most this many speculative requests of one search in flight (None: as many as
         there are free batch slots, as in the paper; on a CPU a smaller number slows stragglers less).
     engine_batch: the running batch the generator engine serves well; speculation fills only what the engine
-        has idle below it (running + waiting requests from `GET /v1/loads`, all searches together). None:
-        no engine limit, only the search's own free slots.
+        has idle below it (running + waiting requests from `GET /v1/loads`, all searches together). None: from
+        the generator's KV budget when it is known (`memory_plan.engine_batch_for`: the sequences of one step's
+        length it holds), else no engine limit, only the search's own free slots.
     standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
         first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
     hardware: roofline profile for M (`sgl_tts.runtime.hardware.HARDWARE` or `this-machine`, probed). None:
@@ -143,6 +145,7 @@ class RuntimeSettings:
     plan: MemoryPlan | None = None
     target: RuntimeConfig | None = None
     budget_source: str = ""
+    engine_batch: int | None = None  # what S fills up to: fasttts.engine_batch, or from the generator's KV
 
 
 _SETTING_OF = {"runtimes": "fasttts", "hardware": "fasttts.hardware", "budget_mib": "fasttts.kv_budget_mib"}
@@ -150,7 +153,7 @@ _SETTING_OF = {"runtimes": "fasttts", "hardware": "fasttts.hardware", "budget_mi
 
 def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: RuntimeConfig,
                        verifier: RuntimeConfig | None, target: RuntimeConfig | None = None,
-                       paths: int | None = None) -> RuntimeSettings:
+                       paths: int | None = None, searches: int = 1) -> RuntimeSettings:
     """Apply P (plugin env), S (priority scheduling) and the KV split (M's plan, or equal shares) to the configs.
 
     `verifier` is the scorer's own runtime, or None when the scorer reads from the generator's runtime (which
@@ -159,6 +162,8 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
     budgets in tokens follow each model's KV bytes per token, no runtime gets less than the longest request
     (prompt_tokens + max_tokens + max_step_tokens), and on cuda every runtime gets a start-order-safe
     `mem_fraction_static`. Without M and without `kv_budget_mib` the runtimes keep their configured budgets.
+    M's plan counts the working sets of `searches` searches at once (`memory_plan.search_working_sets`).
+    With S and no `engine_batch`, S fills up to the batch the generator's KV holds (`engine_batch_for`).
     """
     env = {**generator.env, ENV_POLICY: fast.policy}
     args = list(generator.extra_args)
@@ -170,8 +175,16 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
             if flag not in args:
                 args += [flag, *value]
     generator = dataclasses.replace(generator, env=env, extra_args=args)
+    work = plan_workload(paths or search.n, fast.prompt_tokens, search.max_tokens, search.max_step_tokens)
+
+    def engine_batch(generator_tokens: int | None) -> int | None:
+        if fast.engine_batch is not None or not fast.speculative or generator_tokens is None:
+            return fast.engine_batch
+        return engine_batch_for(generator_tokens, work)
+
     if fast.kv_budget_mib is None and not fast.memory_plan:
-        return RuntimeSettings(generator, verifier, "as configured", target=target)
+        return RuntimeSettings(generator, verifier, "as configured", target=target,
+                               engine_batch=engine_batch(generator.max_total_tokens))
 
     runtimes = {"generator": generator, "verifier": verifier, "target": target}
     runtimes = {role: config for role, config in runtimes.items() if config is not None}
@@ -182,13 +195,17 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
                            "takes %s = %.2f GiB of KV", budget.source, budget.kv_bytes / GIB)
         kv = split_kv(runtimes, budget, roofline=fast.memory_plan, paths=paths or search.n,
                       prompt_tokens=fast.prompt_tokens, max_tokens=search.max_tokens,
-                      max_step_tokens=search.max_step_tokens, target_share=fast.target_share)
+                      max_step_tokens=search.max_step_tokens, target_share=fast.target_share,
+                      working_sets=search_working_sets(search.n, search.beam_width, fast.prompt_tokens,
+                                                       search.max_tokens, search.max_step_tokens, searches))
     except KVSplitError as exc:
         raise ConfigError(f"{_SETTING_OF[exc.argument]}: {exc}") from None
     source = (f"fasttts.kv_budget_mib ({fast.kv_budget_mib:g} MiB)" if budget.origin == "given"
               else budget.source)
+    generator_tokens = (kv.plan.generator.max_total_tokens if kv.plan is not None and kv.plan.budgets
+                        else kv.runtimes["generator"].max_total_tokens)
     return RuntimeSettings(kv.runtimes["generator"], kv.runtimes.get("verifier"), kv.split, kv.plan,
-                           kv.runtimes.get("target"), source)
+                           kv.runtimes.get("target"), source, engine_batch(generator_tokens))
 
 
 def describe_settings(settings: RuntimeSettings) -> str:
@@ -205,4 +222,6 @@ def describe_settings(settings: RuntimeSettings) -> str:
                  f"budget {plan.kv_budget / GIB:.3f} GiB)")
     if settings.budget_source:
         line += f"; budget from {settings.budget_source}"
+    if settings.engine_batch is not None:
+        line += f"; speculation fills up to {settings.engine_batch} running requests"
     return line

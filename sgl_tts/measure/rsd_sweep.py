@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sgl_tts.measure.tables import markdown_table
+from sgl_tts.paths import write_atomic
 from sgl_tts.rsd.sweep import TABLE_COLUMNS, SweepRow, plot_levels, plot_sweep, table_cells
 from sgl_tts.search.records import SearchResult
 
@@ -32,19 +33,19 @@ def write_sweep_outputs(rows: Sequence[SweepRow], results: dict[float, list[Sear
     """Write the table (Markdown, CSV, JSON), the plots and each delta's results (JSONL) under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "sweep.md", out / "sweep.csv", out / "sweep.json", out / "sweep.png"]
-    (out / "sweep.md").write_text(f"# {title}\n\n" + "".join(f"{n}\n\n" for n in notes) + format_sweep_table(rows)
+    write_atomic(out / "sweep.md", f"# {title}\n\n" + "".join(f"{n}\n\n" for n in notes) + format_sweep_table(rows)
                                   + "\n")
     with open(out / "sweep.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(TABLE_COLUMNS)
         writer.writerows(table_cells(row) for row in rows)
-    (out / "sweep.json").write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=2))
+    write_atomic(out / "sweep.json", json.dumps([dataclasses.asdict(row) for row in rows], indent=2))
     plot_sweep(rows, out / "sweep.png", title)
     if any(row.by_level for row in rows):
         plot_levels(rows, out / "sweep_levels.png", title)
         written.append(out / "sweep_levels.png")
     for delta, delta_results in results.items():
         path = out / f"results-delta-{delta:.2f}.jsonl"
-        path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in delta_results))
+        write_atomic(path, "".join(json.dumps(r.to_dict()) + "\n" for r in delta_results))
         written.append(path)
     return written

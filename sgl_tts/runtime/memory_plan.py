@@ -31,8 +31,11 @@ from typing import Mapping
 
 from sgl_tts.runtime.hardware import GIB, HARDWARE, Hardware, plan_hardware
 from sgl_tts.runtime.models import resolve_model
+import numpy as np
+
 from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, Allocation, ModelSpec, StepCosts,
-                                      Workload, load_model_spec, search_offload, search_shared, search_static)
+                                      Workload, _roofline_terms, best_upto, load_model_spec, search_offload,
+                                      search_shared, search_static)
 from sgl_tts.runtime.server import RuntimeConfig
 
 DEVICE_UTILIZATION = 0.9
@@ -63,6 +66,7 @@ class MemoryPlan:
     offload: Allocation | None
     static: Allocation | None
     budgets: Mapping[str, RuntimeBudget]  # by role: generator, verifier[, target]; empty if only offloading fits
+    working_sets: Mapping[str, int] | None = None  # tokens by role, when the split counted them (`SplitCost`)
 
     @property
     def chosen(self) -> Allocation:
@@ -116,6 +120,152 @@ def split_budget(planned_tokens: Mapping[str, int], kv_per_token: Mapping[str, i
     return tokens
 
 
+# ---- Working sets and the split that counts what evicting them costs ----
+
+def working_set_tokens(prompt_tokens: int, paths: int, kept: int, max_tokens: int, own_tokens: int,
+                       searches: int = 1) -> int:
+    """KV tokens one iteration of `searches` searches keeps resident when nothing is evicted, counted as the
+    radix cache holds them (a shared prefix once):
+
+        W = c · (P + k·(L − u) + n·u)
+
+    c searches at once, each: its prompt P once (every path forks from it), the paths of the k parents the
+    n live beams fork from (at most L − u tokens each: a whole path, `max_tokens`, less the part written since
+    the fork), and each live beam's own u tokens since its fork (`own_tokens`: one step for beam search, DVTS
+    and dynamic branching). Parents that share ancestors are still counted whole: an upper bound for k > 1.
+    E.g. beam search n = 16, B = 4 (k = 4), P = 80, L = 72, u = 24: 80 + 4·48 + 16·24 = 656 tokens.
+    The verifier's working set is the same tree under its own prompt: it scores the same prefixes."""
+    if not 1 <= kept <= paths or not 0 < own_tokens <= max_tokens or prompt_tokens < 0 or searches < 1:
+        raise ValueError(f"need 1 <= kept <= paths, 0 < own_tokens <= max_tokens, prompt_tokens >= 0 and "
+                         f"searches >= 1; got kept={kept}, paths={paths}, own_tokens={own_tokens}, "
+                         f"max_tokens={max_tokens}, prompt_tokens={prompt_tokens}, searches={searches}")
+    return searches * (prompt_tokens + kept * (max_tokens - own_tokens) + paths * own_tokens)
+
+
+def search_working_sets(paths: int, beam_width: int, prompt_tokens: int, max_tokens: int, max_step_tokens: int,
+                        searches: int = 1) -> dict[str, int]:
+    """The generator's and the verifier's working sets (`working_set_tokens`) of a search keeping ⌈n/B⌉ parents
+    and forking each into B children per step, as beam search and DVTS do."""
+    kept = max(1, math.ceil(paths / beam_width))
+    tokens = working_set_tokens(prompt_tokens, paths, kept, max_tokens, min(max_step_tokens, max_tokens), searches)
+    return {"generator": tokens, "verifier": tokens}
+
+
+class SplitCost:
+    """The modelled time of one search step when the verifier gets v KV tokens and the generator the rest of the
+    budget M (bytes), counting what a cache smaller than its working set costs (FastTTS §4.3's T_tot plus
+    re-prefills):
+
+        T(v) = T_verify(B_pre(v)) + T_generate(B_dec(g(v))) + R_ver·(W_ver − v)⁺ + R_gen·(W_gen − g(v))⁺
+        g(v) = (M − v·kv_ver) / kv_gen          (the generator's tokens; real, so T is piecewise linear in v)
+        B_pre(v) = best batch ≤ min(N, ⌊v/S⌋),  B_dec(g) = best batch ≤ min(N, ⌊g/S⌋)   (`best_upto`)
+
+    T_verify and T_generate are `StepCosts`' roofline terms. A working set W larger than the cache is re-read
+    every iteration: its evicted part (W − cache)⁺ is prefilled again, at R per token = the roofline time of
+    one prefill token, max(compute, KV write) (the weights are read by the iteration's own batches anyway).
+    """
+
+    def __init__(self, costs: StepCosts, gen: ModelSpec, ver: ModelSpec, hw: Hardware, budget: float,
+                 working_sets: Mapping[str, int]):
+        self.costs, self.budget = costs, budget
+        self.kv_gen, self.kv_ver = gen.kv_bytes_per_token, ver.kv_bytes_per_token
+        self.w_gen, self.w_ver = working_sets["generator"], working_sets["verifier"]
+        seq = costs.work.seq_len
+        self.seq_len = seq
+        self.best_pre, self.best_dec = best_upto(costs.verify), best_upto(costs.generate)
+        self.r_ver = _reprefill_per_token(ver, hw, seq)
+        self.r_gen = _reprefill_per_token(gen, hw, seq)
+
+    def generator_tokens(self, v: np.ndarray | int) -> np.ndarray:
+        return (self.budget - np.asarray(v, dtype=np.float64) * self.kv_ver) / self.kv_gen
+
+    def __call__(self, v: np.ndarray | int) -> np.ndarray:
+        v = np.asarray(v, dtype=np.int64)
+        g = self.generator_tokens(v)
+        n = self.costs.work.n
+        b_pre = self.best_pre[np.minimum(n, v // self.seq_len)]
+        b_dec = self.best_dec[np.minimum(n, np.floor(np.maximum(g, 0) / self.seq_len).astype(np.int64))]
+        # No batch fits: that stage cannot run, an infinite time.
+        verify = np.where(b_pre >= 1, self.costs.verify[b_pre], np.inf)
+        generate = np.where(b_dec >= 1, self.costs.generate[b_dec], np.inf)
+        return (verify + generate + self.r_ver * np.maximum(self.w_ver - v, 0)
+                + self.r_gen * np.maximum(self.w_gen - g, 0))
+
+    def generator_minimum(self, floor: int) -> int:
+        """The generator's tokens the verifier's floor leaves it: its longest request (`floor`), or, when larger,
+        its share of M in proportion to the working sets' bytes, W_gen·kv_gen / (W_gen·kv_gen + W_ver·kv_ver)
+        (capped at W_gen): under pressure both runtimes fall short of their working sets alike, and the cost
+        model, not a fixed floor, decides whether the generator gets more."""
+        gen_bytes, ver_bytes = self.w_gen * self.kv_gen, self.w_ver * self.kv_ver
+        share = int(self.budget * gen_bytes / (gen_bytes + ver_bytes) // self.kv_gen)
+        return max(floor, min(self.w_gen, share))
+
+    def bounds(self, floor: int) -> tuple[int, int]:
+        """[lo, hi]: the verifier's tokens a plan may choose. Each runtime holds at least `floor` (the longest
+        request); the verifier at least min(W_ver, M − `generator_minimum`), so it is never starved below its
+        working set when the budget holds it beside the generator's minimum; and when the budget holds both
+        working sets, the generator keeps its own. Raises ValueError when the floors alone exceed the budget."""
+        most = int((self.budget - floor * self.kv_gen) // self.kv_ver)  # the generator at its floor
+        if most < floor:
+            raise ValueError(f"a KV budget of {self.budget / GIB:.3f} GiB cannot give the generator and the "
+                             f"verifier their longest request ({floor} tokens each)")
+        beside_generator = int((self.budget - self.generator_minimum(floor) * self.kv_gen) // self.kv_ver)
+        lo = max(floor, min(self.w_ver, beside_generator))
+        hi = most
+        if self.w_ver * self.kv_ver + self.w_gen * self.kv_gen <= self.budget:
+            hi = int((self.budget - self.w_gen * self.kv_gen) // self.kv_ver)
+        return lo, hi
+
+    def best(self, floor: int) -> int:
+        """The verifier's tokens minimising T within `bounds` (ties to the smaller v: the generator gets more, as
+        FastTTS breaks ties toward B_dec). T is linear in v between the points where a batch bound or a
+        (·)⁺ term changes, so only those points and their neighbours are evaluated: O(N), not O(M)."""
+        lo, hi = self.bounds(floor)
+        k = np.arange(1, self.costs.work.n + 1, dtype=np.float64)
+        dec_steps = np.floor((self.budget - k * self.seq_len * self.kv_gen) / self.kv_ver)  # last v with ⌊g/S⌋ ≥ k
+        gen_kink = (self.budget - self.w_gen * self.kv_gen) / self.kv_ver
+        points = np.concatenate([k * self.seq_len, dec_steps, [self.w_ver, math.floor(gen_kink), lo, hi]])
+        points = np.concatenate([points - 1, points, points + 1])
+        candidates = np.unique(np.clip(points, lo, hi).astype(np.int64))
+        times = self(candidates)
+        return int(candidates[np.argmin(times)])  # argmin: the first (smallest v) of equal times
+
+
+def planned_verifier_hit(cache_tokens: int, prompt_tokens: int, paths: int, kept: int, max_tokens: int,
+                         step_tokens: int, searches: int = 1) -> float:
+    """The share of the verifier's input tokens its radix cache should serve over a search of K = ⌈L/s⌉
+    iterations, when it holds `cache_tokens` (what the measured hit, Σ cached_tokens / Σ input_tokens of the
+    scorer's calls, estimates):
+
+        input_k    = c·n·(Q + k·s)                    every path is read whole at iteration k
+        computed_k = c·n·s + [k = 1]·c·Q + min((W_k − C)⁺, W_k − c·n·s)
+        hit        = 1 − Σ_k computed_k / Σ_k input_k
+
+    with W_k = `working_set_tokens`(Q, n, kept, k·s, s, c): new steps are never cached, the question is
+    computed once, and the evicted part of the working set is prefilled again."""
+    iterations = max(1, math.ceil(max_tokens / step_tokens))
+    read = computed = 0
+    for k in range(1, iterations + 1):
+        new = searches * paths * step_tokens
+        working = working_set_tokens(prompt_tokens, paths, kept, k * step_tokens, step_tokens, searches)
+        read += searches * paths * (prompt_tokens + k * step_tokens)
+        computed += new + (searches * prompt_tokens if k == 1 else 0) + min(max(working - cache_tokens, 0),
+                                                                            working - new)
+    return max(0.0, 1 - computed / read)
+
+
+def engine_batch_for(generator_tokens: int, work: Workload) -> int:
+    """The running batch the generator's KV holds: ⌊tokens / S⌋ sequences of one step's length S (the plan's
+    `Workload.seq_len`: prompt, half a path, a step; prefix sharing ignored, as in the roofline), at least 1.
+    What speculation may fill (`FastTTSConfig.engine_batch`) when it is not given."""
+    return max(1, generator_tokens // work.seq_len)
+
+
+def _reprefill_per_token(model: ModelSpec, hw: Hardware, seq_len: int) -> float:
+    compute, _weights, kv = _roofline_terms(model, hw, 1, seq_len / 2, 1)
+    return max(compute, kv)
+
+
 def start_order_safe_fractions(hw: Hardware, needs: Mapping[str, float],
                                utilization: float = DEVICE_UTILIZATION) -> dict[str, float]:
     """mem_fraction_static per runtime from its static need (weights + KV bytes): need_i / F_i, where F_i is
@@ -133,11 +283,16 @@ def start_order_safe_fractions(hw: Hardware, needs: Mapping[str, float],
 
 
 def plan_memory(gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload, budget: float | None = None,
-                target: ModelSpec | None = None, min_tokens: int | None = None) -> MemoryPlan:
+                target: ModelSpec | None = None, min_tokens: int | None = None,
+                working_sets: Mapping[str, int] | None = None) -> MemoryPlan:
     """Plan the KV split of the generator, verifier and (optional) target runtimes.
 
     `budget`: the KV memory M in bytes (default: `kv_budget`, the device after all weights). `min_tokens`: the
-    longest request every runtime must hold (default: the workload's sequence length)."""
+    longest request every runtime must hold (default: the workload's sequence length). `working_sets`: the
+    generator's and verifier's working sets in tokens (`search_working_sets`); with them (and no target) the
+    split is `SplitCost.best`'s, which counts re-prefilling what a too-small cache evicts and never plans the
+    verifier below min(its working set, M − the generator's floor); without them each runtime gets its planned
+    batch and the rest is shared in proportion (`split_budget`)."""
     models = {"generator": gen, "verifier": ver, **({"target": target} if target is not None else {})}
     budget = kv_budget(hw, *models.values()) if budget is None else budget
     if budget <= 0:
@@ -153,15 +308,21 @@ def plan_memory(gen: ModelSpec, ver: ModelSpec, hw: Hardware, work: Workload, bu
         return MemoryPlan(hw, work, budget, None, offload, search_static(costs, budget), {})
     batches = {"generator": shared.b_dec, "verifier": shared.b_pre, "target": shared.b_tgt}
     kv_per_token = {role: m.kv_bytes_per_token for role, m in models.items()}
-    tokens = split_budget({role: batches[role] * work.seq_len for role in models}, kv_per_token, budget,
-                          work.seq_len if min_tokens is None else min_tokens)
+    floor = work.seq_len if min_tokens is None else min_tokens
+    if working_sets is not None and target is None:
+        cost = SplitCost(costs, gen, ver, hw, budget, working_sets)
+        verifier_tokens = cost.best(floor)
+        tokens = {"generator": int(cost.generator_tokens(verifier_tokens)), "verifier": verifier_tokens}
+    else:
+        tokens = split_budget({role: batches[role] * work.seq_len for role in models}, kv_per_token, budget, floor)
     kv = {role: float(tokens[role] * kv_per_token[role]) for role in models}
     try:
         fractions = start_order_safe_fractions(hw, {role: models[role].weight_bytes + kv[role] for role in models})
     except ValueError:  # a budget given beyond the device: the token budgets stand, no fraction fits
         fractions = {}
     budgets = {role: RuntimeBudget(tokens[role], kv[role], fractions.get(role)) for role in models}
-    return MemoryPlan(hw, work, budget, shared, offload, search_static(costs, budget), budgets)
+    return MemoryPlan(hw, work, budget, shared, offload, search_static(costs, budget), budgets,
+                      working_sets if working_sets is not None and target is None else None)
 
 
 # ---- The KV split of co-located runtimes: budget, floors, workload, and the split itself ----
@@ -274,12 +435,15 @@ class KVSplit:
 
 
 def split_kv(runtimes: Mapping[str, RuntimeConfig], budget: SharedBudget, *, roofline: bool, paths: int,
-             prompt_tokens: int, max_tokens: int, max_step_tokens: int, target_share: float = 0.0) -> KVSplit:
+             prompt_tokens: int, max_tokens: int, max_step_tokens: int, target_share: float = 0.0,
+             working_sets: Mapping[str, int] | None = None) -> KVSplit:
     """Split `budget` between the co-located `runtimes` (by role; no verifier: the scorer reads from the
     generator's runtime, which then holds the verifier's share too): by the `roofline` plan (`plan_memory`) of
     one search step (`plan_workload`: `paths` sequences at once; `target_share` counts only with a target), or
     in equal shares. Budgets in tokens follow each model's KV bytes per token; none is below the longest request
-    (`longest_request_tokens`). On cuda each runtime also gets a start-order-safe `mem_fraction_static`.
+    (`longest_request_tokens`). `working_sets` (tokens by role, `search_working_sets`): the roofline split
+    counts re-prefilling what does not fit and keeps the verifier at its working set when the budget allows
+    (`SplitCost`). On cuda each runtime also gets a start-order-safe `mem_fraction_static`.
     Raises KVSplitError."""
     specs, hardware = budget.specs, budget.hardware
     floor = longest_request_tokens(prompt_tokens, max_tokens, max_step_tokens)
@@ -292,7 +456,7 @@ def split_kv(runtimes: Mapping[str, RuntimeConfig], budget: SharedBudget, *, roo
                              target_share if "target" in runtimes else 0.0)
         try:
             plan = plan_memory(specs["generator"], ver_spec, hardware, work, budget.kv_bytes, specs.get("target"),
-                               floor)
+                               floor, working_sets)
         except ValueError as exc:
             raise KVSplitError("budget_mib", f"{exc.args[0]} (longest request {floor} = prompt_tokens + max_tokens "
                                f"+ max_step_tokens)") from None

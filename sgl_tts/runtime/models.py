@@ -11,6 +11,7 @@ Anything else is a local folder or a hub id (GPU users with their own weights).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -18,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from sgl_tts.paths import cache_dir
+from sgl_tts.paths import cache_dir, folder_lock
 
 SMOLLM2 = "smollm2-135m"
 TINY_RANDOM = "tiny-random"
@@ -94,10 +95,25 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _one_conversion_at_a_time(provision: Callable[..., Path]) -> Callable[..., Path]:
+    """`provision` under the models folder's lock: a second set-up (or run) waits for the first one's conversion
+    and then finds its folder complete, instead of converting into the same staging folder at once. One lock
+    per provisioning function, so one that needs another's model (tiny-random: SmolLM2's tokenizer) nests."""
+
+    @functools.wraps(provision)
+    def locked(*args, **kwargs) -> Path:
+        with folder_lock(models_dir(), f"building a model ({provision.__name__})", wait=True,
+                         name=f".{provision.__name__}.lock"):
+            return provision(*args, **kwargs)
+
+    return locked
+
+
 def _is_complete(folder: Path) -> bool:
     return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
 
 
+@_one_conversion_at_a_time
 def provision_smollm2() -> Path:
     """Convert the bundled GGUF to a Hugging Face folder once; later calls return the cached folder."""
     folder = models_dir() / "SmolLM2-135M-Instruct"
@@ -127,6 +143,7 @@ def provision_smollm2() -> Path:
     return folder
 
 
+@_one_conversion_at_a_time
 def provision_tiny_random(seed: int = 0) -> Path:
     """A tiny random-weight Llama with SmolLM2's tokenizer (fast to load; for tests of the machinery)."""
     folder = models_dir() / f"tiny-random-llama-s{seed}"

@@ -14,7 +14,9 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from sgl_tts.config import ConfigError
 from sgl_tts.serve.protocol import (EXTENSION, RequestError, answer_chunks, chunk, completion, error_body,
@@ -46,6 +48,22 @@ def _outcome(job: SearchJob) -> asyncio.Future:
     return future
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes: by its Content-Length before reading, or while
+    reading when it has none (chunked) or it is wrong."""
+    too_large = APIError(413, error_body(f"the request body is over the limit {limit} bytes (limits.body_bytes)",
+                                         param=None, code="request_too_large"))
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    received = bytearray()
+    async for part in request.stream():
+        received += part
+        if len(received) > limit:
+            raise too_large
+    return bytes(received)
+
+
 def _sse(data: Any) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
@@ -53,9 +71,28 @@ def _sse(data: Any) -> bytes:
 def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="sgl-tts", description="OpenAI-compatible chat completions answered by a search")
 
+    # Every error in the OpenAI shape ({"error": {message, type, param, code}}), FastAPI's own included.
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, kind, code=str(exc.status_code)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"invalid request: {first.get('msg', exc)}", param=param), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -76,17 +113,22 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(request: Request):
+        raw = await _body(request, service.limits.body_bytes)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as exc:
             raise APIError(400, error_body(f"the request body is not JSON: {exc}"))
         try:
-            parsed = parse_chat_request(body)
+            parsed = parse_chat_request(body, service.limits)
             search = service.search_config(parsed.program, parsed.settings)
+            service.check_prompt(parsed.question, search)
         except RequestError as exc:
             raise APIError(400, error_body(str(exc), param=exc.param))
         except ConfigError as exc:
-            raise APIError(400, error_body(str(exc), param=_field_of(exc, parsed.settings)))
+            field = _field_of(exc, parsed.settings)
+            if field == "max_tokens" and "max_completion_tokens" in body:  # the request's spelling of max_tokens
+                field = "max_completion_tokens"
+            raise APIError(400, error_body(str(exc), param=field))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         on_progress = (lambda event: loop.call_soon_threadsafe(events.put_nowait, event)) if parsed.stream else None
@@ -112,7 +154,10 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
 
 
 def _field_of(exc: ConfigError, settings: dict[str, Any]) -> str | None:
-    """The request field a config error is about (its message names it)."""
+    """The request field a config error is about: its `key` (the loader's dotted key, the request field of a
+    refused setting), else the one its message names."""
+    if getattr(exc, "key", None):
+        return exc.key
     names = [name for name in ("model", *settings) if f"'{name}'" in str(exc) or f" {name} " in str(exc)]
     return names[-1] if names else None
 

@@ -78,8 +78,21 @@ def session_service(session: Any, max_searches: int | None = None) -> Any:
     def validate(search: Any) -> None:
         checked_program(dataclasses.replace(session.config, search=search), "request", "settings")
 
+    def prompt_tokens(question: str) -> int:
+        return len(session.tokenizer.encode(session.search_runtimes.prompt(question), add_special_tokens=False))
+
+    limits = session.config.limits
     return SearchService(session.search_runtimes, session.config.search,
-                         max_searches or session.config.concurrency, validate=validate)
+                         max_searches or session.config.concurrency, validate=validate, limits=limits,
+                         prompt_tokens=prompt_tokens,
+                         context_tokens=limits.context_tokens or context_length(session.tokenizer))
+
+
+def context_length(tokenizer: Any) -> int | None:
+    """The generator's context length as its tokenizer declares it (`model_max_length`); None when the tokenizer
+    declares none (transformers then gives a huge placeholder, about 1e30)."""
+    length = getattr(tokenizer, "model_max_length", None)
+    return length if isinstance(length, int) and 0 < length < 10**8 else None
 
 
 def serve(config_path: str, serve_config: ServeConfig) -> int:

@@ -1,8 +1,11 @@
 """The OpenAI chat-completions format, mapped onto searches.
 
-Request: `model` names a registered search program; the last message (role "user") is the question; the
-search settings (`n`, `beam_width`, `max_tokens`, `temperature`, ... every `SearchConfig` field but
-`program`) ride in the body beside the OpenAI fields. `n` is the search's n: the reply has one choice.
+Request: `model` names a registered search program; the one message (role "user") is the question: a
+system message or earlier turns are refused (400 naming them), since a search's prompt is the generator's
+chat template around one question. The search settings (`n`, `beam_width`, `max_tokens`, `temperature`,
+`seed`, ... every `SearchConfig` field but `program`) ride in the body beside the OpenAI fields;
+`max_completion_tokens` is `max_tokens`; `stop` is refused (a search stops at its step delimiter and its
+answer). `n` is the search's n: the reply has one choice.
 Reply: the message is the selected solution; `usage` counts the whole search (every path's generated
 tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field carries the candidates
 with their step scores, and the timings.
@@ -16,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_tts.search.api import SearchConfig
+from sgl_tts.search.limits import Limits
 from sgl_tts.search.records import SearchResult
 
-OPENAI_FIELDS = ("model", "messages", "stream", "stream_options", "user")
+OPENAI_FIELDS = ("model", "messages", "stream", "stream_options", "user", "max_completion_tokens", "stop")
 SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchConfig) if f.name != "program")
 EXTENSION = "sgl_tts"  # the reply field with what OpenAI's format has no place for
 
@@ -49,7 +53,7 @@ def _text(content: Any, where: str) -> str:
     raise RequestError(where, f"'{where}' must be a string or a list of text parts")
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, limits: Limits = Limits()) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError(None, "the request body must be a JSON object")
     unknown = sorted(set(body) - set(OPENAI_FIELDS) - set(SEARCH_FIELDS))
@@ -59,17 +63,30 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model", "'model' must be the name of a search program (GET /v1/models lists them)")
+    if body.get("stop") is not None:
+        raise RequestError("stop", "'stop' is not supported: a search ends its steps at 'step_delimiter' and its "
+                                   "paths at their answer; leave 'stop' out")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "'messages' must be a non-empty list of messages")
+    if len(messages) > limits.messages:
+        raise RequestError("messages", f"'messages' has {len(messages)} messages, above the limit "
+                                       f"{limits.messages} (limits.messages)")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{index}]", f"'messages[{index}]' must be an object with a 'role'")
-    last = messages[-1]
-    where = f"messages[{len(messages) - 1}]"
-    if last["role"] != "user":
-        raise RequestError(where, f"the last message must have role 'user' (the question), got {last['role']!r}")
-    question = _text(last.get("content"), where + ".content")
+    if len(messages) > 1:
+        where = f"messages[{len(messages) - 2}]"
+        raise RequestError(where, f"one message (the user's question) is supported; '{where}' (role "
+                                  f"{messages[-2]['role']!r}) would be dropped: a search's prompt is the generator's "
+                                  "chat template around the one question, with the project's system prompt")
+    where = "messages[0]"
+    if messages[0]["role"] != "user":
+        raise RequestError(where, f"the message must have role 'user' (the question), got {messages[0]['role']!r}")
+    question = _text(messages[0].get("content"), where + ".content")
+    if len(question) > limits.message_chars:
+        raise RequestError(where + ".content", f"'{where}.content' is {len(question)} characters, above the limit "
+                                               f"{limits.message_chars} (limits.message_chars)")
     if not question.strip():
         raise RequestError(where + ".content", "the question is empty")
     stream = body.get("stream", False)
@@ -78,9 +95,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("stream_options", "'stream_options' must be an object")
+    settings = {k: body[k] for k in SEARCH_FIELDS if k in body}
+    if body.get("max_completion_tokens") is not None:
+        if "max_tokens" in settings and settings["max_tokens"] != body["max_completion_tokens"]:
+            raise RequestError("max_completion_tokens", "'max_completion_tokens' is 'max_tokens' (per path): give "
+                                                        "one of them, or the same value")
+        settings["max_tokens"] = body["max_completion_tokens"]
     return ChatRequest(program=model, question=question, stream=stream,
-                       include_usage=bool(options.get("include_usage", False)),
-                       settings={k: body[k] for k in SEARCH_FIELDS if k in body})
+                       include_usage=bool(options.get("include_usage", False)), settings=settings)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -147,8 +169,8 @@ def chunk(completion_id: str, model: str, created: int, choices: list[dict[str, 
 
 def answer_chunks(completion_id: str, result: SearchResult, search: SearchConfig, created: int,
                   include_usage: bool) -> list[dict[str, Any]]:
-    """The streamed answer: the solution as one content delta, then the finish chunk with the extension
-    (and the usage, when the client asked for it with stream_options.include_usage)."""
+    """The streamed answer: the solution as one content delta, then the finish chunk with the extension, and
+    when the client asked for it (stream_options.include_usage) a last chunk with no choices and the usage."""
     chosen = selected_candidate(result)
     content = chunk(completion_id, result.program, created,
                     [{"index": 0, "delta": {"role": "assistant", "content": chosen.text if chosen else ""},
@@ -156,6 +178,6 @@ def answer_chunks(completion_id: str, result: SearchResult, search: SearchConfig
     finish = chunk(completion_id, result.program, created,
                    [{"index": 0, "delta": {}, "finish_reason": _finish_reason(result)}],
                    **{EXTENSION: extension(result, search)})
-    if include_usage:
-        finish["usage"] = usage(result)
-    return [content, finish]
+    if not include_usage:
+        return [content, finish]
+    return [content, finish, chunk(completion_id, result.program, created, usage=usage(result))]

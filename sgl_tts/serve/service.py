@@ -21,6 +21,7 @@ from sgl_tts.problems import Problem
 from sgl_tts.runtime.server import abort_requests
 from sgl_tts.scoring.base import aggregate
 from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.limits import LimitError, Limits, check_limits
 from sgl_tts.search.programs import load_program, program_names, with_program_settings
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.context import SearchContext
@@ -49,18 +50,32 @@ class SearchJob:
     aborted: threading.Event = field(default_factory=threading.Event)  # set once a cancel's aborts are sent
 
 
+def request_error(field: str | None, message: str) -> ConfigError:
+    """A refused request setting: a ConfigError whose `key` is the request field it is about."""
+    error = ConfigError(f"request: {message}")
+    error.key = field
+    return error
+
+
 class SearchService:
     """Runs searches on shared runtimes. `validate(search)` checks a search config against the whole run
-    config (e.g. `RunConfig`'s program-specific rules); it raises ValueError."""
+    config (e.g. `RunConfig`'s program-specific rules); it raises ValueError. A request's search is bounded
+    by `limits` (the operator's, never the request's); `prompt_tokens(question)` counts the tokens of the
+    question's prompt, checked with the search's `max_tokens` against `context_tokens` (None: unchecked)."""
 
     def __init__(self, runtimes: Runtimes, default_search: SearchConfig, max_searches: int,
-                 validate: Callable[[SearchConfig], None] | None = None, abort_timeout_s: float = 30.0):
+                 validate: Callable[[SearchConfig], None] | None = None, abort_timeout_s: float = 30.0,
+                 limits: Limits = Limits(), prompt_tokens: Callable[[str], int] | None = None,
+                 context_tokens: int | None = None):
         if max_searches < 1:
             raise ValueError(f"max_searches must be at least 1, got {max_searches}")
         self.runtimes = runtimes
         self.default_search = default_search
         self.max_searches = max_searches
         self.validate = validate
+        self.limits = limits
+        self.prompt_tokens = prompt_tokens
+        self.context_tokens = context_tokens
         self.abort_timeout_s = abort_timeout_s
         self.programs = program_names()
         self._slots = threading.BoundedSemaphore(max_searches)
@@ -77,9 +92,12 @@ class SearchService:
         """The search config for a request: the server's defaults with the request's `settings`, validated
         by the config loader (ConfigError naming the field). `program` must be a registered program name."""
         if program not in self.programs:
-            raise ConfigError(f"request: unknown model (program) {program!r}; known: {', '.join(self.programs)}")
+            raise request_error("model", f"unknown model (program) {program!r}; known: {', '.join(self.programs)}")
         if "program" in settings:
-            raise ConfigError("request: unknown field 'program'; the program is chosen by 'model'")
+            raise request_error("program", "unknown field 'program'; the program is chosen by 'model'")
+        if settings.get("record_tree"):  # the reply has no place for the tree: it would only cost memory
+            raise request_error("record_tree", "'record_tree' is not available per request (the reply does not "
+                                               "carry the search tree; `sgl-tts run --tree` draws it)")
         defaults = to_dict(self.default_search)
         if program != self.default_search.program:
             defaults["settings"] = None  # the server's program settings are not this program's
@@ -87,6 +105,10 @@ class SearchService:
         if isinstance(defaults["settings"], dict) and isinstance(settings.get("settings"), dict):
             merged["settings"] = {**defaults["settings"], **settings["settings"]}  # only the named keys change
         search = with_program_settings(load_dataclass(SearchConfig, merged, source="request"), "request", "settings")
+        try:
+            check_limits(search, self.limits)
+        except LimitError as exc:
+            raise request_error(exc.field, str(exc)) from None
         if self.validate is not None:
             try:
                 self.validate(search)
@@ -95,6 +117,20 @@ class SearchService:
             except ValueError as exc:
                 raise ConfigError(f"request: {exc}") from exc
         return search
+
+    def check_prompt(self, question: str, search: SearchConfig) -> None:
+        """Refuse (ConfigError naming `messages` or `max_tokens`) a question whose prompt, with the search's
+        `max_tokens` after it, does not fit the generator's context."""
+        if self.prompt_tokens is None or self.context_tokens is None:
+            return
+        tokens = self.prompt_tokens(question)
+        if tokens >= self.context_tokens:
+            raise request_error("messages", f"the prompt is {tokens} tokens, the generator's context "
+                                            f"{self.context_tokens}: shorten the question")
+        if tokens + search.max_tokens > self.context_tokens:
+            raise request_error("max_tokens", f"'max_tokens' {search.max_tokens} after a prompt of {tokens} tokens "
+                                              f"is past the generator's context {self.context_tokens}: at most "
+                                              f"{self.context_tokens - tokens}")
 
     def submit(self, program: str, search: SearchConfig, question: str,
                on_progress: ProgressCallback | None = None) -> SearchJob:
