@@ -15,7 +15,7 @@ import dataclasses
 
 import sglang as sgl
 
-from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
+from sgl_tts.search import (aggregate, expand, extract_answer, finish, ReasoningPath, rank_key, run_search, Runtimes,
                             SearchConfig, SearchResult, SearchContext)
 
 
@@ -25,9 +25,9 @@ def keep_count(config: SearchConfig) -> int:
 
 @sgl.function
 def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
-                        finished: list[Path]):
+                        finished: list[ReasoningPath]):
     s += prompt
-    beams = [Path(state=s)]
+    beams = [ReasoningPath(state=s)]
     for iteration in range(config.max_steps):
         fan_out = config.n if iteration == 0 else config.beam_width
         children = expand([(beam, fan_out) for beam in beams], config, tracker, extract_answer)
@@ -46,7 +46,7 @@ def beam_search_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes
     return finished + beams
 
 
-def score_lookahead(paths: list[Path], prompt: str, config: SearchConfig, runtimes: Runtimes,
+def score_lookahead(paths: list[ReasoningPath], prompt: str, config: SearchConfig, runtimes: Runtimes,
                     tracker: SearchContext) -> None:
     """Sets extra["lookahead_score"] of each path: the score of its greedy rollout `lookahead` steps on."""
     greedy = dataclasses.replace(config, temperature=0.0)
@@ -62,7 +62,7 @@ def score_lookahead(paths: list[Path], prompt: str, config: SearchConfig, runtim
         path.extra["lookahead_score"] = aggregate(rollout.step_scores, config.aggregation)
 
 
-def lookahead_rank_key(path: Path) -> tuple[float, str]:
+def lookahead_rank_key(path: ReasoningPath) -> tuple[float, str]:
     return (-path.extra["lookahead_score"], path.text)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.search import (RUNTIME_FAILURES, answer_at_end, build_result, extract_answer, finish, Path,
+from sgl_tts.search import (RUNTIME_FAILURES, answer_at_end, build_result, extract_answer, finish, ReasoningPath,
                             record_token_confidences, Runtimes, search_failed, SearchConfig, SearchResult,
                             SearchContext, start_search, split_steps, top_logprobs_request, wait_meta)
 
@@ -26,7 +26,7 @@ def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchConte
     for fork in forks:
         meta = wait_meta(fork, "solution")
         text = fork["solution"]
-        path = Path(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
+        path = ReasoningPath(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
                     tokens=int(meta.get("completion_tokens", 0)))
         record_token_confidences(path, meta)
         reason = (meta.get("finish_reason") or {}).get("type")

@@ -39,7 +39,7 @@ import sglang as sgl
 
 from programs.best_of_n import best_of_n_program
 from sgl_tts.search import (RUNTIME_FAILURES, build_result, expand, extract_answer, filter_top, finish,
-                            lowest_group_confidence, normalize_answer, OnlineThreshold, Path, Runtimes,
+                            lowest_group_confidence, normalize_answer, OnlineThreshold, ReasoningPath, Runtimes,
                             search_failed, SearchConfig, SearchContext, SearchResult, settings_of, start_search,
                             vote_settled, weighted_vote)
 
@@ -73,7 +73,7 @@ def deepconf_settings(config: SearchConfig) -> Settings:
     return settings_of(config, Settings, "deepconf")
 
 
-def trace_confidence(trace: Path, settings: Settings) -> float:
+def trace_confidence(trace: ReasoningPath, settings: Settings) -> float:
     """min_G C_G of the trace's tokens so far."""
     confidences = trace.extra.get("token_confidences")
     if not confidences:
@@ -81,20 +81,20 @@ def trace_confidence(trace: Path, settings: Settings) -> float:
     return lowest_group_confidence(confidences, settings.window)
 
 
-def vote(traces: list[Path]) -> tuple[list[str | None], list[float]]:
+def vote(traces: list[ReasoningPath]) -> tuple[list[str | None], list[float]]:
     """The voting traces' normalised answers and confidences, as `weighted_vote` and `vote_settled` take them."""
     answers = [normalize_answer(t.answer) if t.answer is not None else None for t in traces]
     return answers, [t.extra["confidence"] for t in traces]
 
 
-def voted_answer(traces: list[Path]) -> str | None:
+def voted_answer(traces: list[ReasoningPath]) -> str | None:
     """â as first written by a voting trace."""
     winner = weighted_vote(*vote(traces))
     return next((t.answer for t in traces if t.answer is not None and normalize_answer(t.answer) == winner), None)
 
 
 def sample_whole_traces(prompt: str, count: int, config: SearchConfig, settings: Settings,
-                        tracker: SearchContext, backend: Any) -> list[Path]:
+                        tracker: SearchContext, backend: Any) -> list[ReasoningPath]:
     """`count` whole traces from one fork of the prompt, each with its confidence."""
     began = time.monotonic()
     traces = best_of_n_program.run(prompt=prompt, config=dataclasses.replace(config, n=count), tracker=tracker,
@@ -106,7 +106,8 @@ def sample_whole_traces(prompt: str, count: int, config: SearchConfig, settings:
     return traces
 
 
-def stop_if_unsure(trace: Path, threshold: OnlineThreshold, settings: Settings, tracker: SearchContext) -> None:
+def stop_if_unsure(trace: ReasoningPath, threshold: OnlineThreshold, settings: Settings,
+                   tracker: SearchContext) -> None:
     """Set the trace's confidence so far and stop it when that is below s (C_G < s for a window of its last step)."""
     trace.extra["confidence"] = trace_confidence(trace, settings)
     if threshold.should_stop(trace.extra["confidence"]):
@@ -115,11 +116,11 @@ def stop_if_unsure(trace: Path, threshold: OnlineThreshold, settings: Settings, 
 
 
 @sgl.function
-def online_traces(s, prompt: str, count: int, warmup_voters: list[Path], threshold: OnlineThreshold,
-                  config: SearchConfig, settings: Settings, tracker: SearchContext, finished: list[Path]):
+def online_traces(s, prompt: str, count: int, warmup_voters: list[ReasoningPath], threshold: OnlineThreshold,
+                  config: SearchConfig, settings: Settings, tracker: SearchContext, finished: list[ReasoningPath]):
     """Grow `count` traces together, one step a round, under DeepConf's online stop rules; returns them all."""
     s += prompt
-    grown = traces = expand([(Path(state=s), count)], config, tracker, extract_answer, logprobs=settings.top_k)
+    grown = traces = expand([(ReasoningPath(state=s), count)], config, tracker, extract_answer, logprobs=settings.top_k)
     while True:
         for trace in grown:
             stop_if_unsure(trace, threshold, settings, tracker)
@@ -137,7 +138,7 @@ def online_traces(s, prompt: str, count: int, warmup_voters: list[Path], thresho
 
 
 def sample_online(prompt: str, config: SearchConfig, settings: Settings, tracker: SearchContext, backend: Any,
-                  finished: list[Path]) -> tuple[list[Path], list[Path], dict[str, Any]]:
+                  finished: list[ReasoningPath]) -> tuple[list[ReasoningPath], list[ReasoningPath], dict[str, Any]]:
     """(traces in sampling order, the voting ones, the report) of online DeepConf."""
     warmup = sample_whole_traces(prompt, min(settings.warmup, config.n), config, settings, tracker, backend)
     finished += warmup
@@ -159,7 +160,7 @@ def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContex
     settings = deepconf_settings(config)
     tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
-    finished: list[Path] = []
+    finished: list[ReasoningPath] = []
     try:
         with tracker.running():
             if settings.mode == "offline":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.search import (expand, extract_answer, finish, Path, rank_key, run_search, Runtimes, SearchConfig,
+from sgl_tts.search import (expand, extract_answer, finish, ReasoningPath, rank_key, run_search, Runtimes, SearchConfig,
                             SearchResult, SearchContext)
 
 
@@ -21,13 +21,13 @@ def subtree_count(config: SearchConfig) -> int:
 
 @sgl.function
 def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
-                 finished: list[Path]):
+                 finished: list[ReasoningPath]):
     s += prompt
     subtrees, width = subtree_count(config), config.beam_width
-    firsts = sorted(expand([(Path(state=s), subtrees * width)], config, tracker, extract_answer),
+    firsts = sorted(expand([(ReasoningPath(state=s), subtrees * width)], config, tracker, extract_answer),
                     key=lambda path: path.text)
     children_of = {i: firsts[i * width:(i + 1) * width] for i in range(subtrees)}
-    beams: list[Path | None] = [None] * subtrees
+    beams: list[ReasoningPath | None] = [None] * subtrees
     for iteration in range(config.max_steps):
         if iteration > 0:
             growing = [i for i, beam in enumerate(beams) if beam.active]

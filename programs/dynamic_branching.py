@@ -15,7 +15,7 @@ from typing import Sequence
 
 import sglang as sgl
 
-from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
+from sgl_tts.search import (aggregate, expand, extract_answer, finish, ReasoningPath, rank_key, run_search, Runtimes,
                             SearchConfig, SearchResult, SearchContext)
 
 
@@ -36,10 +36,10 @@ def allocate(budget: int, scores: Sequence[float], temperature: float) -> list[i
 
 @sgl.function
 def dynamic_branching_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
-                              finished: list[Path]):
+                              finished: list[ReasoningPath]):
     s += prompt
-    beams = [(Path(state=s), config.n)]
-    active: list[Path] = []
+    beams = [(ReasoningPath(state=s), config.n)]
+    active: list[ReasoningPath] = []
     for _ in range(config.max_steps):
         children = expand(beams, config, tracker, extract_answer)
         tracker.score(runtimes.scorer, prompt, children)

@@ -36,7 +36,7 @@ from typing import Any, Callable, TypeVar
 
 import sglang as sgl
 
-from sgl_tts.search import (build_result, extract_answer, finish_reason_of, Path, Runtimes, SearchConfig,
+from sgl_tts.search import (build_result, extract_answer, finish_reason_of, ReasoningPath, Runtimes, SearchConfig,
                             SearchContext, SearchResult, settings_of, settle_step, start_search, wait_meta)
 from sgl_tts.rsd.acceptance import (StepRecord, accept_draft_step, check_weighting_settings, summarize_run,
                                     weight)
@@ -176,7 +176,8 @@ def target_is_draft_model(runtimes: Runtimes) -> bool:
     return draft is not None and draft == target
 
 
-def keep_step(path: Path, step: StepOutput, score: float, config: SearchConfig, tracker: SearchContext) -> None:
+def keep_step(path: ReasoningPath, step: StepOutput, score: float, config: SearchConfig,
+              tracker: SearchContext) -> None:
     """Append the kept step and decide whether the solution is finished (answer, eos, or a limit)."""
     path.steps.append(step.text)
     path.step_scores.append(score)
@@ -210,7 +211,7 @@ def run(problem, config: SearchConfig, runtimes: Runtimes, context: SearchContex
     target_prompt = (runtimes.target_prompt or runtimes.prompt)(problem.question)
     scorer = runtimes.scorer
     rng = problem_rng(config, problem.id)
-    path = Path(state=None)
+    path = ReasoningPath(state=None)
     records: list[StepRecord] = []
     cache_hits = 0
     while path.active:

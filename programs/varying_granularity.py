@@ -17,11 +17,11 @@ import statistics
 
 import sglang as sgl
 
-from sgl_tts.search import (aggregate, expand, extract_answer, finish, Path, rank_key, run_search, Runtimes,
+from sgl_tts.search import (aggregate, expand, extract_answer, finish, ReasoningPath, rank_key, run_search, Runtimes,
                             SearchConfig, SearchResult, SearchContext)
 
 
-def next_granularity(g: int, kept: list[Path], pruned: list[Path], config: SearchConfig) -> int:
+def next_granularity(g: int, kept: list[ReasoningPath], pruned: list[ReasoningPath], config: SearchConfig) -> int:
     if not config.adaptive_granularity or not kept or not pruned:
         return g
     margin = (statistics.fmean(aggregate(p.step_scores, config.aggregation) for p in kept)
@@ -29,7 +29,8 @@ def next_granularity(g: int, kept: list[Path], pruned: list[Path], config: Searc
     return min(2 * g, config.max_steps) if margin < config.granularity_margin else config.granularity
 
 
-def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: SearchContext) -> list[Path]:
+def write_one_more_step(paths: list[ReasoningPath], config: SearchConfig,
+                        tracker: SearchContext) -> list[ReasoningPath]:
     """Each unfinished path one step further (one child each, no verification); finished ones unchanged."""
     growing = [(p, 1) for p in paths if p.active]
     if not growing:
@@ -40,9 +41,9 @@ def write_one_more_step(paths: list[Path], config: SearchConfig, tracker: Search
 
 @sgl.function
 def varying_granularity_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes,
-                                tracker: SearchContext, finished: list[Path]):
+                                tracker: SearchContext, finished: list[ReasoningPath]):
     s += prompt
-    beams = [Path(state=s)]
+    beams = [ReasoningPath(state=s)]
     g, steps_done = config.granularity, 0
     keep = max(1, config.n // config.beam_width)
     while beams and steps_done < config.max_steps:

@@ -12,7 +12,7 @@ import sglang as sgl
 
 from sgl_tts.config import ConfigError
 from sgl_tts.problems import Problem
-from sgl_tts.search.api import Path, Runtimes, SearchConfig, expand
+from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig, expand
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.grading import extract_answer
 from sgl_tts.search.programs import load_program, program_settings
@@ -188,7 +188,7 @@ def test_a_vote_settled_while_traces_grow_finishes_them_without_further_requests
 @sgl.function
 def three_steps(s, config: SearchConfig, tracker: SearchContext, logprobs: int):
     s += PROMPT
-    path = Path(state=s)
+    path = ReasoningPath(state=s)
     for _ in range(3):
         (path,) = expand([(path, 1)], config, tracker, extract_answer, logprobs=logprobs)
     return path

@@ -24,7 +24,7 @@ from sgl_tts.search.programs import load_program
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import ScorerError, StepScorer, aggregate
 from sgl_tts.scoring.likelihood import LikelihoodScorer
-from sgl_tts.search.api import Path, Runtimes, SearchConfig, SearchError, build_result
+from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig, SearchError, build_result
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.selection import select
 from sgl_tts.frontend.backend import GeneratorError
@@ -454,7 +454,7 @@ def test_majority_and_weighted_ties_are_deterministic(program, selection):
 
 def test_build_result_ignores_the_order_paths_arrive_in():
     config = SearchConfig(selection="majority")
-    paths = [Path(state=None, steps=[f"s{i}"], step_scores=[0.5], answer=str(i % 2), finish_reason="answer")
+    paths = [ReasoningPath(state=None, steps=[f"s{i}"], step_scores=[0.5], answer=str(i % 2), finish_reason="answer")
              for i in range(4)]
     results = [build_result("p", "x", order, config, SearchContext(config)) for order in (paths, paths[::-1])]
     assert [c.text for c in results[0].candidates] == [c.text for c in results[1].candidates]

@@ -19,7 +19,7 @@ def test_unknown_program_lists_known_names():
 def test_user_program_file_is_loaded_and_runs(tmp_path):
     source = '''
 import sglang as sgl
-from sgl_tts.search.api import Path, build_result, expand
+from sgl_tts.search.api import ReasoningPath, build_result, expand
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.grading import extract_answer
 
@@ -30,7 +30,7 @@ def run(problem, config, runtimes):
     @sgl.function
     def greedy(s):
         s += prompt
-        path = Path(state=s)
+        path = ReasoningPath(state=s)
         for _ in range(config.max_steps):
             (path,) = expand([(path, 1)], config, tracker, extract_answer)
             if not path.active:
@@ -110,3 +110,13 @@ def test_a_registry_names_what_it_knows():
         colours.check("green")
     with pytest.raises(ValueError, match="registered twice"):
         colours.add("red", 3)
+
+
+def test_the_earlier_names_of_the_search_api_still_work_with_a_deprecation_warning():
+    import sgl_tts.search as search
+    from sgl_tts.search.api import ReasoningPath
+    from sgl_tts.search.context import SearchContext
+
+    for old, new in (("Path", ReasoningPath), ("SearchTracker", SearchContext)):
+        with pytest.warns(DeprecationWarning, match=f"sgl_tts.search.{old} is now {new.__name__}"):
+            assert getattr(search, old) is new

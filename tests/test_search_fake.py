@@ -149,7 +149,7 @@ def test_split_steps_keeps_delimiters_and_caps_count():
 
 
 def test_an_answer_split_by_the_step_token_limit_is_found_and_an_ended_path_answers_with_its_last_number():
-    from sgl_tts.search.api import Path, SearchConfig, append_step
+    from sgl_tts.search.api import ReasoningPath, SearchConfig, append_step
     from sgl_tts.search.context import SearchContext
     from sgl_tts.search.grading import extract_answer
 
@@ -163,18 +163,18 @@ def test_an_answer_split_by_the_step_token_limit_is_found_and_an_ended_path_answ
     step = {"finish_reason": {"type": "stop", "matched": "\n\n"}, "completion_tokens": 4}
     eos = {"finish_reason": {"type": "stop", "matched": 2}, "completion_tokens": 4}
 
-    path = Path(state=State())
+    path = ReasoningPath(state=State())
     append_step(path, "First we add. The answer", cut, config, context, extract_answer)
     assert path.active and path.answer is None
     append_step(path, " is 7.", step, config, context, extract_answer)
     assert (path.finish_reason, path.answer) == ("answer", "7"), "the cut phrase is read whole"
 
-    ended = Path(state=State())
+    ended = ReasoningPath(state=State())
     append_step(ended, "We add 4 and 3.", step, config, context, extract_answer)
     append_step(ended, "So, 4 + 3 = 7.", eos, config, context, extract_answer)
     assert (ended.finish_reason, ended.answer) == ("eos", "7"), "the model ended with its result unmarked"
 
-    limited = Path(state=State())
+    limited = ReasoningPath(state=State())
     config = SearchConfig(max_steps=1, max_step_tokens=8, max_tokens=100)
     append_step(limited, "So, 4 + 3 = 7", step, config, context, extract_answer)
     assert (limited.finish_reason, limited.answer) == ("max_steps", None), "a path cut by a limit has no answer"

@@ -24,7 +24,7 @@ from policies.speculative import TruncationSampler
 from sgl_tts.frontend.backend import SearchBackend
 from sgl_tts.fasttts.switches import FastTTSConfig, from_label
 from sgl_tts.search.programs import load_program
-from sgl_tts.search.api import Path, Runtimes, SearchConfig
+from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.grading import extract_answer
 from sgl_tts.fasttts.speculation import (Branch, SpeculationClient, assign_head_starts, extension_factory,
@@ -333,4 +333,4 @@ def test_speculation_refuses_to_expand_with_logprobs():
     """Head starts come from requests without logprobs: a step's token confidences would miss their tokens."""
     extension = extension_factory(EQUIVALENT_S, TimedScriptedBackend(MODEL))(SearchContext(SEARCH))
     with pytest.raises(ValueError, match=r"speculative beam extension \(FastTTS S\) cannot return top logprobs"):
-        extension.expand([(Path(state=None), 2)], SEARCH, extension.search, extract_answer, logprobs=5)
+        extension.expand([(ReasoningPath(state=None), 2)], SEARCH, extension.search, extract_answer, logprobs=5)

@@ -48,8 +48,9 @@ def rsd_sweep(config_path: str, deltas: Sequence[float], limit: int | None = Non
     from sgl_tts.rsd.sweep import SWEEP_WEIGHTINGS, TABLE_COLUMNS, run_sweep, table_cells, target_note
 
     config = load_run_config(config_path)
-    if config.search.program != "rsd":
-        raise ConfigError(f"{config_path}: rsd-sweep needs search.program: rsd, got {config.search.program!r}")
+    if not hasattr(config.search.settings, "delta"):
+        raise ConfigError(f"{config_path}: rsd-sweep varies search.settings.delta: program "
+                          f"{config.search.program!r} has no such setting (use program rsd)")
     weighting = config.search.settings.weighting
     if weighting not in SWEEP_WEIGHTINGS:
         raise ConfigError(f"{config_path}: rsd-sweep varies search.settings.delta, which weighting {weighting!r} "

@@ -40,7 +40,7 @@ from sgl_tts.fasttts.switches import FastTTSConfig
 from sgl_tts.frontend.lineage import node_of
 from sgl_tts.frontend.sglang_internals import generation_done, wait_meta
 from sgl_tts.scoring.base import aggregate
-from sgl_tts.search.api import Path, SearchConfig, append_step, finish_reason_of
+from sgl_tts.search.api import ReasoningPath, SearchConfig, append_step, finish_reason_of
 from sgl_tts.search.context import SearchContext
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class _Pending:
     """A standard child whose step is being generated."""
 
     parent_index: int
-    parent: Path
+    parent: ReasoningPath
     fork: Any
     head: HeadStart | None
 
@@ -230,7 +230,7 @@ class _Pending:
 class _Round:
     """The state of one `expand` with speculation."""
 
-    children: list[Path | None]
+    children: list[ReasoningPath | None]
     pending: dict[int, _Pending]  # slot -> standard request still running
     selector: SpeculativeSelector
     pool: ThreadPoolExecutor
@@ -256,8 +256,8 @@ class SpeculativeExtension:
         self.branches: dict[int, list[Branch]] = {}  # id(child) -> its branches, from the last expand
         self.stats = SpeculationStats()
 
-    def expand(self, parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
-               extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
+    def expand(self, parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
+               extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
         if logprobs:
             # A head start's tokens come from a speculative request (or none, for a LookAhead step) that asked
             # for no logprobs, so a child's token confidences would silently miss them.
@@ -296,7 +296,7 @@ class SpeculativeExtension:
         tracker.extra.setdefault("speculation_iterations", []).append(self.stats.since(before))
         return children
 
-    def _launch_standard(self, state: _Round, parents: Sequence[tuple[Path, int]], config: SearchConfig,
+    def _launch_standard(self, state: _Round, parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig,
                          tracker: SearchContext, extract_answer: Callable[[str], str | None]) -> None:
         """Fork every parent into its copies with their head starts; generate where a step is left. A branch's
         tokens are used as far as its original copy keeps them (the duplicates keep less); the rest, and the
@@ -330,15 +330,16 @@ class SpeculativeExtension:
         self.stats.tokens_discarded += sum(b.tokens for branches in previous.values() for b in branches)
 
     @staticmethod
-    def _child(parent: Path, parent_index: int, fork: Any, text: str, meta: dict[str, Any], config: SearchConfig,
-               tracker: SearchContext, extract_answer: Callable[[str], str | None]) -> Path:
-        child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
+    def _child(parent: ReasoningPath, parent_index: int, fork: Any, text: str, meta: dict[str, Any],
+               config: SearchConfig, tracker: SearchContext,
+               extract_answer: Callable[[str], str | None]) -> ReasoningPath:
+        child = ReasoningPath(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=parent_index)
         append_step(child, text, meta, config, tracker, extract_answer)
         return child
 
     @staticmethod
-    def _child_done(state: _Round, slot: int, child: Path, config: SearchConfig) -> None:
+    def _child_done(state: _Round, slot: int, child: ReasoningPath, config: SearchConfig) -> None:
         state.children[slot] = child
         if child.active and step_budget(child, config) > 0:
             state.finished.append(slot)
@@ -440,7 +441,7 @@ class SpeculativeExtension:
             logger.warning("abort of speculative request %s failed: %s", rid, exc)
 
 
-def step_budget(path: Path, config: SearchConfig) -> int:
+def step_budget(path: ReasoningPath, config: SearchConfig) -> int:
     return min(config.max_step_tokens, config.max_tokens - path.tokens)
 
 

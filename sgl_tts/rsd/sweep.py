@@ -161,13 +161,16 @@ def sweep_row(delta: float, problems: Sequence[Any], results: Sequence[SearchRes
 def run_sweep(problems: Sequence[Any], deltas: Sequence[float], runtimes: Any, search: Any, concurrency: int = 4,
               cache: bool = True, on_delta=None, params: dict[str, int | None] | None = None,
               ) -> tuple[list[SweepRow], dict[float, list]]:
-    """Run the rsd program with `search` (its settings but delta) over `problems` once per delta; returns the
-    rows and each delta's results. `params`: the parameter counts for FLOPs, if the runtimes do not give them."""
+    """Run `search.program` (RSD: a program whose settings have RSD's `delta` and `weighting`) with `search` (its
+    settings but delta) over `problems` once per delta; returns the rows and each delta's results. `params`: the
+    parameter counts for FLOPs, if the runtimes do not give them."""
     from sgl_tts.rsd.step_cache import StepCache
     from sgl_tts.search.programs import load_program, program_settings
 
-    run = load_program("rsd")
-    settings = program_settings("rsd", search.settings, "rsd-sweep")
+    run = load_program(search.program)
+    settings = program_settings(search.program, search.settings, "rsd-sweep")
+    if not hasattr(settings, "delta") or not hasattr(settings, "weighting"):
+        raise ValueError(f"the sweep varies search.settings.delta: program {search.program!r} has no RSD settings")
     if settings.weighting not in SWEEP_WEIGHTINGS:
         raise ValueError(f"the sweep varies search.settings.delta, which weighting {settings.weighting!r} ignores: "
                          f"use one of {', '.join(SWEEP_WEIGHTINGS)}")

@@ -1,6 +1,6 @@
 """The search API programs are written against: config, paths, `expand`, scoring calls, selection, results.
 
-A program imports what it needs from here (`from sgl_tts.search import Path, expand, run_search`) and the
+A program imports what it needs from here (`from sgl_tts.search import ReasoningPath, expand, run_search`) and the
 SGLang DSL, nothing else. Names load on first use, so `sgl_tts.search.records` and friends stay importable
 without importing SGLang (several seconds).
 """
@@ -12,9 +12,10 @@ import warnings
 from typing import Any
 
 _EXPORTS = {
-    "sgl_tts.search.api": ("Path", "Runtimes", "SearchConfig", "SearchError", "RUNTIME_FAILURES",
+    "sgl_tts.search.api": ("ReasoningPath", "Runtimes", "SearchConfig", "SearchError", "RUNTIME_FAILURES",
                            "append_step", "build_result", "current_step", "expand", "finish", "finish_reason_of",
-                           "rank_key", "record_token_confidences", "run_search", "search_failed", "settings_of", "settle_step",
+                           "rank_key", "record_token_confidences", "run_search", "search_failed", "settings_of",
+                           "settle_step",
                            "split_steps", "start_search", "step_gen", "top_logprobs_request"),
     "sgl_tts.search.confidence": ("OnlineThreshold", "filter_top", "lowest_group_confidence", "vote_settled",
                                   "weighted_vote"),
@@ -27,7 +28,8 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
-_RENAMED = {"SearchTracker": "SearchContext"}  # old name -> new name, kept working for one release
+# old name -> new name, kept working for one release
+_RENAMED = {"SearchTracker": "SearchContext", "Path": "ReasoningPath"}
 
 
 def __getattr__(name: str) -> Any:

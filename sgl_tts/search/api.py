@@ -100,7 +100,7 @@ class Runtimes:
 
 
 @dataclass
-class Path:
+class ReasoningPath:
     """One reasoning path while the search runs. `state` is its SGLang program state."""
 
     state: Any
@@ -130,7 +130,7 @@ def top_logprobs_request(logprobs: int) -> dict[str, Any]:
     return {"return_logprob": True, "top_logprobs_num": logprobs} if logprobs else {}
 
 
-def step_gen(config: SearchConfig, path: Path, name: str = "step", logprobs: int = 0):
+def step_gen(config: SearchConfig, path: ReasoningPath, name: str = "step", logprobs: int = 0):
     """The sgl.gen expression for the next step of `path`, within its token budget; with `logprobs` > 0 the
     step's meta info carries that many top logprobs per token."""
     budget = max(1, min(config.max_step_tokens, config.max_tokens - path.tokens))
@@ -138,7 +138,7 @@ def step_gen(config: SearchConfig, path: Path, name: str = "step", logprobs: int
                    temperature=config.temperature, top_p=config.top_p, **top_logprobs_request(logprobs))
 
 
-def record_token_confidences(path: Path, meta: dict[str, Any]) -> None:
+def record_token_confidences(path: ReasoningPath, meta: dict[str, Any]) -> None:
     """Extend path.extra["token_confidences"] with the confidence of every token the request generated, when its
     meta info carries top logprobs (SGLang's `output_top_logprobs`: per token, [(logprob, id, text), ...])."""
     top_logprobs = meta.get("output_top_logprobs")
@@ -158,8 +158,8 @@ def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
     return "eos"
 
 
-def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
-           extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
+def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
+           extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
     """Fork each (path, k) k times and generate one step in every child, all concurrently.
 
     With `logprobs` > 0 every step asks for that many top logprobs per token and each child carries the
@@ -185,8 +185,8 @@ def expand(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: S
     return children
 
 
-def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tracker: SearchContext,
-                   extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[Path]:
+def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
+                   extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
     """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
     is committed and pre-sent to the radix cache (docs/sglang.md)."""
     pending = []
@@ -198,7 +198,7 @@ def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tr
     children = []
     for index, parent, fork in pending:
         meta = wait_meta(fork, "step")
-        child = Path(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
+        child = ReasoningPath(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=index)
         if "token_confidences" in parent.extra:
             child.extra["token_confidences"] = list(parent.extra["token_confidences"])
@@ -207,7 +207,7 @@ def expand_plainly(parents: Sequence[tuple[Path, int]], config: SearchConfig, tr
     return children
 
 
-def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchContext,
+def append_step(path: ReasoningPath, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchContext,
                 extract_answer: Callable[[str], str | None]) -> None:
     """Add one generated step to `path` and decide whether the path is finished."""
     ended = finish_reason_of(meta, config.step_delimiter)
@@ -222,7 +222,7 @@ def append_step(path: Path, text: str, meta: dict[str, Any], config: SearchConfi
     settle_step(path, ended, config, tracker, extract_answer)
 
 
-def settle_step(path: Path, ending: str, config: SearchConfig, tracker: SearchContext,
+def settle_step(path: ReasoningPath, ending: str, config: SearchConfig, tracker: SearchContext,
                 extract_answer: Callable[[str], str | None]) -> None:
     """Decide whether `path` is finished now that its newest step ended with `ending` ('step', 'eos' or
     'length'): an answer in the step, the end of the solution, or a token or step limit."""
@@ -248,7 +248,7 @@ def current_step(steps: Sequence[str], delimiter: str) -> str:
     return "".join(steps[start:])
 
 
-def finish(path: Path, reason: str, tracker: SearchContext) -> None:
+def finish(path: ReasoningPath, reason: str, tracker: SearchContext) -> None:
     if path.finish_reason is None:
         path.finish_reason = reason
         path.finish_time_s = tracker.elapsed()
@@ -264,13 +264,13 @@ def split_steps(text: str, delimiter: str, max_steps: int) -> list[str]:
     return pieces
 
 
-def rank_key(path: Path | Candidate, aggregation: str) -> tuple[float, str]:
+def rank_key(path: ReasoningPath | Candidate, aggregation: str) -> tuple[float, str]:
     """Sort key: higher aggregated score first, then the path text (deterministic ties)."""
     scores = path.step_scores
     return (-aggregate(scores, aggregation), "".join(path.steps))
 
 
-def build_result(problem_id: str, program: str, paths: Sequence[Path], config: SearchConfig,
+def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], config: SearchConfig,
                  tracker: SearchContext, error: str | None = None, extra: dict[str, Any] | None = None
                  ) -> SearchResult:
     """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
@@ -315,7 +315,7 @@ class SearchError(RuntimeError):
 RUNTIME_FAILURES = (ScorerError, RuntimeDiedError, GeneratorError)  # what a program turns into SearchError
 
 
-def search_failed(problem_id: str, program: str, finished: Sequence[Path], config: SearchConfig,
+def search_failed(problem_id: str, program: str, finished: Sequence[ReasoningPath], config: SearchConfig,
                   tracker: SearchContext, exc: BaseException) -> SearchError:
     """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
     settle_failed_states()
@@ -350,7 +350,7 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
         raise ValueError(f"{name} needs a scorer: set 'scorer' in the config")
     tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
-    finished: list[Path] = []
+    finished: list[ReasoningPath] = []
     try:
         with tracker.running():
             state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker,
@@ -399,7 +399,7 @@ def run_plain_program(function: Any, problem: Any, name: str, config: SearchConf
         whole = text if text.startswith(prompt) else None
         solution = text[len(prompt):] if whole is not None else text
         tokens, answered_at = tracker.ledger.path_of(whole or prompt + solution)
-        path = Path(state=None, steps=split_steps(solution, config.step_delimiter, config.max_steps), tokens=tokens,
+        path = ReasoningPath(state=None, steps=split_steps(solution, config.step_delimiter, config.max_steps), tokens=tokens,
                     answer=extract_answer(solution))
         path.finish_reason = "answer" if path.answer is not None else "eos"
         path.finish_time_s = (answered_at - tracker.start) if answered_at is not None else tracker.elapsed()
