@@ -127,8 +127,6 @@ class Session:
     def _start(self) -> None:
         from transformers import AutoTokenizer
 
-        from sgl_tts.frontend.backend import TTSEndpoint, chat_prompt
-
         began = time.monotonic()
         log_dir = self.config.log_dir
         self.fasttts, wanted = planned_runtimes(self.config)
@@ -152,26 +150,51 @@ class Session:
         generator = self.runtimes["generator"]
         scorer_runtime = self.runtimes.get("scorer", generator)
         tokenizer = AutoTokenizer.from_pretrained(generator.model_path)
-        scorer_tokenizer = (tokenizer if scorer_runtime is generator
-                            else AutoTokenizer.from_pretrained(scorer_runtime.model_path))
         self.tokenizer = tokenizer
-        fast = self.config.fasttts
-        self.search_runtimes = Runtimes(
+        self._scorer_tokenizer = (tokenizer if scorer_runtime is generator
+                                  else AutoTokenizer.from_pretrained(scorer_runtime.model_path))
+        target = self.runtimes.get("target", generator if self.config.target == "generator" else None)
+        # Steps pass as text: the target gets its own prompt, in its own chat format.
+        self._target_tokenizer = (None if target is None else tokenizer if target.model_path == generator.model_path
+                                  else AutoTokenizer.from_pretrained(target.model_path))
+        self.search_runtimes = self._connect()
+
+    def _connect(self) -> Runtimes:
+        """The search runtimes on `self.runtimes`: endpoints, scorer and speculation client each hold the runtime
+        object (and so its URL) they were made with."""
+        from sgl_tts.frontend.backend import TTSEndpoint, chat_prompt
+
+        generator = self.runtimes["generator"]
+        scorer_runtime = self.runtimes.get("scorer", generator)
+        tokenizer, fast = self.tokenizer, self.config.fasttts
+        search_runtimes = Runtimes(
             generator=TTSEndpoint(
                 generator, standard_priority=fast.standard_priority if fast.speculative else None,
                 send_seed=DETERMINISTIC_FLAG in generator.config.extra_args),
-            scorer=make_scorer(self.config.scorer, scorer_runtime, scorer_tokenizer),
+            scorer=make_scorer(self.config.scorer, scorer_runtime, self._scorer_tokenizer),
             prompt=lambda question: chat_prompt(tokenizer, question),
             extension_factory=extension_factory(fast, HttpSpeculationClient(generator, self.fasttts.engine_batch),
                                                 tokenizer, fast.seed) if fast.speculative else None,
         )
         target = self.runtimes.get("target", generator if self.config.target == "generator" else None)
         if target is not None:
-            # Steps pass as text: the target gets its own prompt, in its own chat format.
-            target_tokenizer = (tokenizer if target.model_path == generator.model_path
-                                else AutoTokenizer.from_pretrained(target.model_path))
-            self.search_runtimes.target = TTSEndpoint(target, send_seed=DETERMINISTIC_FLAG in target.config.extra_args)
-            self.search_runtimes.target_prompt = lambda question: chat_prompt(target_tokenizer, question)
+            target_tokenizer = self._target_tokenizer
+            search_runtimes.target = TTSEndpoint(target, send_seed=DETERMINISTIC_FLAG in target.config.extra_args)
+            search_runtimes.target_prompt = lambda question: chat_prompt(target_tokenizer, question)
+        return search_runtimes
+
+    def restart(self, name: str) -> None:
+        """Replace runtime `name` (dead, say) by a new server of the same config and name, and point the search
+        runtimes at it: the endpoints, scorer and speculation client are made anew and swapped into the same
+        `search_runtimes` object, so whoever holds it (a server's SearchService) sends its next search to the new
+        server. Searches in flight on the old one fail with a runtime error. Raises what the start raises."""
+        old = self.runtimes[name]
+        old.stop()
+        starter = ReplicaSet.start if old.config.routed else Runtime.start
+        self.runtimes[name] = starter(old.config, name=name, log_dir=self.config.log_dir)
+        fresh = self._connect()
+        for item in dataclasses.fields(Runtimes):
+            setattr(self.search_runtimes, item.name, getattr(fresh, item.name))
 
     def new_search(self, problem: Any, search: SearchConfig | None = None, **observers: Any) -> SearchContext:
         """The context of one search of `problem` (`Runtimes.new_search`; `observers`, `scoring_observers`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from sgl_tts.runtime.server import LOCALHOST
@@ -17,6 +18,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})")
     parser.add_argument("--max-searches", type=int,
                         help="searches in flight before answering 429 (default: the config's concurrency)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log level of the server's log (logger sgl_tts.serve: access lines, failures, restarts)")
     parser.set_defaults(func=serve_command)
 
 
@@ -29,4 +32,6 @@ def serve_command(args: argparse.Namespace) -> int:
                                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     except ValueError as exc:
         raise ConfigError(f"sgl-tts serve: {exc}") from None
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sgl_tts.serve").setLevel(args.log_level.upper())
     return serve(args.config, serve_config)

@@ -9,12 +9,11 @@ on free ports (on CUDA, replica i from GPU i·tp on), any servers running elsewh
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeDiedError, free_port
+from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeDiedError, free_port, spawn_group
 
 ROUTING_POLICY = "cache_aware"
 # Cache-aware routing sends a request where its prefix is cached unless the busiest worker has more than this
@@ -86,11 +85,7 @@ class ReplicaSet:
         host = self.config.host
         port = self.config.port or free_port(host)
         log_path = self.log_dir / f"{self.name}-router-{port}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                router_command(self.config, port, self.worker_urls, free_port(host)), stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+        process = spawn_group(router_command(self.config, port, self.worker_urls, free_port(host)), log_path)
         # The router answers /get_model_info and /generate like a server, so Runtime's readiness check,
         # process-group stop and watchdog serve it too.
         return Runtime(f"{self.name}-router", self.config, self.model_path, port, process, log_path)

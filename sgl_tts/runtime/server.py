@@ -198,13 +198,16 @@ def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None)
     return shared
 
 
-# Watches one runtime from a small separate process: when the process that started the runtime is gone
-# (reparented: killed with SIGKILL, crashed), it stops the runtime's process group the way `stop` does, so
-# no server outlives its owner. It exits by itself once the group is gone. Arguments: owner pid, group id.
+# Watches one runtime from a small separate process in a session of its own (`start_watchdog`), so a kill of the
+# owner's whole process group does not take it too: when the process that started the runtime is gone (the
+# watchdog is reparented: killed with SIGKILL, crashed), it stops the runtime's process group the way `stop`
+# does, so no server outlives its owner by more than a poll and the grace. The parent check is proof against pid
+# reuse (a dead parent's pid is never the new parent's). It exits by itself once the group is gone.
+# Arguments: owner pid, group id, SIGTERM grace in seconds.
 WATCHDOG = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-owner, group = int(sys.argv[1]), int(sys.argv[2])
+owner, group, grace_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 def alive():
     try:
         os.killpg(group, 0)
@@ -212,8 +215,8 @@ def alive():
     except ProcessLookupError:
         return False
 while os.getppid() == owner and alive():
-    time.sleep(1.0)
-for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
+    time.sleep(0.25)
+for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
     if not alive():
         break
     os.killpg(group, sig)
@@ -221,6 +224,22 @@ for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
     while time.monotonic() < deadline and alive():
         time.sleep(0.2)
 """
+WATCHDOG_GRACE_S = 5.0  # an orphaned server's SIGTERM grace before SIGKILL
+
+
+def spawn_group(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` the way servers are started: its own process session (its group id is its pid, so a stop
+    reaches its children), output to `log_path`, no stdin."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def start_watchdog(group: int, grace_s: float = WATCHDOG_GRACE_S) -> subprocess.Popen:
+    """The WATCHDOG of process group `group`, owned by this process, in a session of its own."""
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()), str(group), str(grace_s)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 def request_timeout(runtime: Any) -> float:
@@ -243,10 +262,7 @@ class Runtime:
         self.log_path = log_path
         self.url = f"http://{config.host}:{port}"
         self.model_info: dict[str, Any] = {}
-        self.watchdog = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()), str(process.pid)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self.watchdog = start_watchdog(process.pid)
 
     @classmethod
     def start(cls, config: RuntimeConfig, name: str = "generator", log_dir: str | Path | None = None,
@@ -256,11 +272,7 @@ class Runtime:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl-tts-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}-{port}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                server_command(config, model_path, port), env=server_env(config), stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+        process = spawn_group(server_command(config, model_path, port), log_path, server_env(config))
         runtime = cls(name, config, model_path, port, process, log_path)
         if wait:
             runtime.wait_ready()

@@ -1,7 +1,10 @@
-"""The HTTP routes: `/health`, `/v1/models`, `/v1/chat/completions` (FastAPI).
+"""The HTTP routes: `/health`, `/metrics`, `/v1/models`, `/v1/chat/completions` (FastAPI).
 
 Searches run on the service's threads; the handlers only await them, so a long search never delays
 `/health`. A client that disconnects before its answer has its search cancelled (SearchService.cancel).
+A runtime that is down makes `/health` 503 (with each runtime's state) and refuses new searches with 503; a
+search that failed because a runtime died is 503 too, with Retry-After, so clients back off. Every request is
+logged (logger `sgl_tts.serve`): method, path, status, duration and the search id.
 """
 
 from __future__ import annotations
@@ -9,22 +12,28 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from sgl_tts.config import ConfigError
 from sgl_tts.serve.protocol import (EXTENSION, RequestError, answer_chunks, chunk, completion, error_body,
                                     parse_chat_request)
-from sgl_tts.serve.service import Busy, SearchJob, SearchService
+from sgl_tts.search.api import RUNTIME_FAILURES
+from sgl_tts.serve.metrics import CONTENT_TYPE
+from sgl_tts.serve.service import Busy, SearchJob, SearchService, Unavailable
 from sgl_tts.search.context import SearchCancelled
 
+log = logging.getLogger("sgl_tts.serve")
 RETRY_AFTER_S = 1
+RUNTIME_RETRY_AFTER_S = 5  # a runtime is down: a restart takes a while
+ACCESS = "sgl_tts.access"  # the ASGI scope key of a request's access-log fields (the handler adds the search id)
 KEEP_ALIVE_S = 15.0  # an SSE comment this often while a streamed search has nothing to report
 
 
@@ -68,8 +77,47 @@ def _sse(data: Any) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
+def runtime_failure(exc: BaseException) -> BaseException | None:
+    """The runtime failure (RUNTIME_FAILURES) behind `exc` (a program wraps it in SearchError), else None."""
+    while exc is not None:
+        if isinstance(exc, RUNTIME_FAILURES):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def unavailable(message: str) -> "APIError":
+    return APIError(503, error_body(message, "server_error", code="runtime_unavailable"),
+                    headers={"Retry-After": str(RUNTIME_RETRY_AFTER_S)})
+
+
+class AccessLog:
+    """ASGI middleware: one log line per request, when its response has been sent."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        began, fields = time.monotonic(), scope.setdefault(ACCESS, {})
+        status = {"code": 500}
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            log.info("%s %s %d %.3f s search=%s", scope["method"], scope["path"], status["code"],
+                     time.monotonic() - began, fields.get("search_id", "-"))
+
+
 def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="sgl-tts", description="OpenAI-compatible chat completions answered by a search")
+    app.add_middleware(AccessLog)
 
     # Every error in the OpenAI shape ({"error": {message, type, param, code}}), FastAPI's own included.
     @app.exception_handler(APIError)
@@ -99,12 +147,25 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            service.refused("unauthorized")
             raise APIError(401, error_body("missing or wrong API key (header 'Authorization: Bearer KEY')",
                                            "authentication_error", code="invalid_api_key"))
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", **service.snapshot()}
+    async def health() -> Any:
+        runtimes = service.health.health() if service.health is not None else {}
+        down = [name for name, state in runtimes.items() if state["state"] != "up"]
+        if down:
+            body = error_body("runtime " + ", ".join(f"'{name}' is {runtimes[name]['state']}" for name in down),
+                              "server_error", code="runtime_unavailable")
+            return JSONResponse({**body, "status": "unavailable", "runtimes": runtimes}, status_code=503,
+                                headers={"Retry-After": str(RUNTIME_RETRY_AFTER_S)})
+        return {"status": "ok", **service.snapshot(), "runtimes": runtimes}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        runtimes = service.health.health() if service.health is not None else {}
+        return Response(service.metrics.render(runtimes), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict[str, Any]:
@@ -113,18 +174,25 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(request: Request):
-        raw = await _body(request, service.limits.body_bytes)
+        try:
+            raw = await _body(request, service.limits.body_bytes)
+        except APIError:
+            service.refused("limits")
+            raise
         try:
             body = json.loads(raw)
         except ValueError as exc:
+            service.refused("bad_request")
             raise APIError(400, error_body(f"the request body is not JSON: {exc}"))
         try:
             parsed = parse_chat_request(body, service.limits)
             search = service.search_config(parsed.program, parsed.settings)
             service.check_prompt(parsed.question, search)
         except RequestError as exc:
+            service.refused("bad_request")
             raise APIError(400, error_body(str(exc), param=exc.param))
         except ConfigError as exc:
+            service.refused(getattr(exc, "reason", "bad_request"))
             field = _field_of(exc, parsed.settings)
             if field == "max_tokens" and "max_completion_tokens" in body:  # the request's spelling of max_tokens
                 field = "max_completion_tokens"
@@ -137,6 +205,9 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
         except Busy as exc:
             raise APIError(429, error_body(f"busy: {exc}; retry later", "rate_limit_error", code="busy"),
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        except Unavailable as exc:
+            raise unavailable(f"unavailable: {exc}; retry later")
+        request.scope.setdefault(ACCESS, {})["search_id"] = job.id
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if parsed.stream:
             return StreamingResponse(_stream(service, job, events, completion_id, parsed.include_usage),
@@ -168,7 +239,9 @@ def _result_or_error(job: SearchJob, render):
     except SearchCancelled as exc:
         raise APIError(499, error_body(str(exc), "cancelled"))
     except Exception as exc:  # the search failed: the error names the runtime or the program
-        raise APIError(500, error_body(f"search failed: {exc}", "server_error"))
+        if runtime_failure(exc) is not None:  # a runtime died: the supervisor restarts it, the client retries
+            raise unavailable(f"search {job.id} failed because a runtime failed: {exc}; retry later")
+        raise APIError(500, error_body(f"search {job.id} failed: {exc}", "server_error"))
 
 
 async def _stream(service: SearchService, job: SearchJob, events: asyncio.Queue, completion_id: str,

@@ -1,4 +1,5 @@
-"""`sgl-tts serve --config FILE`: start the run config's runtimes (a `Session`) and the HTTP server.
+"""`sgl-tts serve --config FILE`: start the run config's runtimes (a `Session`), their supervisor (a dead runtime
+is restarted with `Session.restart`) and the HTTP server.
 
 `HTTPServer` runs uvicorn on a socket bound before it starts (so the port is known and connections queue
 from the start), in the foreground (`serve_forever`) or on a thread (`start`, for tests and benchmarks).
@@ -69,9 +70,9 @@ class HTTPServer:
         self.stop()
 
 
-def session_service(session: Any, max_searches: int | None = None) -> Any:
+def session_service(session: Any, max_searches: int | None = None, health: Any = None) -> Any:
     """The SearchService on a started Session: its runtimes, its search config as the defaults, and the run
-    config's rules for a request's search settings."""
+    config's rules for a request's search settings; `health`: the runtimes' Supervisor."""
     from sgl_tts.app.session import checked_program
     from sgl_tts.serve.service import SearchService
 
@@ -85,7 +86,7 @@ def session_service(session: Any, max_searches: int | None = None) -> Any:
     return SearchService(session.search_runtimes, session.config.search,
                          max_searches or session.config.concurrency, validate=validate, limits=limits,
                          prompt_tokens=prompt_tokens,
-                         context_tokens=limits.context_tokens or context_length(session.tokenizer))
+                         context_tokens=limits.context_tokens or context_length(session.tokenizer), health=health)
 
 
 def context_length(tokenizer: Any) -> int | None:
@@ -98,10 +99,12 @@ def context_length(tokenizer: Any) -> int | None:
 def serve(config_path: str, serve_config: ServeConfig) -> int:
     from sgl_tts.app.session import Session, load_run_config
     from sgl_tts.serve.app import create_app
+    from sgl_tts.serve.health import Supervisor
 
     run_config = load_run_config(config_path)
     with Session(run_config) as session:
-        service = session_service(session, serve_config.max_searches)
+        supervisor = Supervisor(lambda: session.runtimes, session.restart).start()
+        service = session_service(session, serve_config.max_searches, health=supervisor)
         server = HTTPServer(create_app(service, serve_config.api_key), serve_config.host, serve_config.port)
         print(f"runtimes ready in {session.started_s:.0f} s: "
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
@@ -111,5 +114,6 @@ def serve(config_path: str, serve_config: ServeConfig) -> int:
         try:
             server.serve_forever()
         finally:
+            supervisor.stop()
             service.close()
     return 0

@@ -9,6 +9,7 @@ are aborted on the runtime (`POST /abort_request` by rid on every server behind 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -25,12 +26,18 @@ from sgl_tts.search.limits import LimitError, Limits, check_limits
 from sgl_tts.search.programs import load_program, program_names, with_program_settings
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.context import SearchContext
+from sgl_tts.serve.metrics import ServeMetrics
 
+log = logging.getLogger("sgl_tts.serve")
 ProgressCallback = Callable[[dict[str, Any]], None]
 
 
 class Busy(RuntimeError):
     """`max_searches` searches are in flight."""
+
+
+class Unavailable(RuntimeError):
+    """A runtime the searches need is down (being restarted, or given up on)."""
 
 
 @dataclass
@@ -48,12 +55,15 @@ class SearchJob:
     rounds: int = 0  # scoring rounds so far
     on_progress: ProgressCallback | None = None
     aborted: threading.Event = field(default_factory=threading.Event)  # set once a cancel's aborts are sent
+    running: bool = False  # its thread has started it (else queued)
 
 
-def request_error(field: str | None, message: str) -> ConfigError:
-    """A refused request setting: a ConfigError whose `key` is the request field it is about."""
+def request_error(field: str | None, message: str, reason: str = "bad_request") -> ConfigError:
+    """A refused request setting: a ConfigError whose `key` is the request field it is about and whose `reason`
+    is the refusal's metrics label (bad_request, limits)."""
     error = ConfigError(f"request: {message}")
     error.key = field
+    error.reason = reason
     return error
 
 
@@ -61,12 +71,14 @@ class SearchService:
     """Runs searches on shared runtimes. `validate(search)` checks a search config against the whole run
     config (e.g. `RunConfig`'s program-specific rules); it raises ValueError. A request's search is bounded
     by `limits` (the operator's, never the request's); `prompt_tokens(question)` counts the tokens of the
-    question's prompt, checked with the search's `max_tokens` against `context_tokens` (None: unchecked)."""
+    question's prompt, checked with the search's `max_tokens` against `context_tokens` (None: unchecked).
+    `health` (a `Supervisor`, None: not watched) names the runtimes that are down: new searches are refused
+    (`Unavailable`) until they are up again."""
 
     def __init__(self, runtimes: Runtimes, default_search: SearchConfig, max_searches: int,
                  validate: Callable[[SearchConfig], None] | None = None, abort_timeout_s: float = 30.0,
                  limits: Limits = Limits(), prompt_tokens: Callable[[str], int] | None = None,
-                 context_tokens: int | None = None):
+                 context_tokens: int | None = None, health: Any = None):
         if max_searches < 1:
             raise ValueError(f"max_searches must be at least 1, got {max_searches}")
         self.runtimes = runtimes
@@ -77,6 +89,7 @@ class SearchService:
         self.prompt_tokens = prompt_tokens
         self.context_tokens = context_tokens
         self.abort_timeout_s = abort_timeout_s
+        self.health = health
         self.programs = program_names()
         self._slots = threading.BoundedSemaphore(max_searches)
         self._pool = ThreadPoolExecutor(max_workers=max_searches, thread_name_prefix="sgl-tts-search")
@@ -85,6 +98,8 @@ class SearchService:
         self.jobs: dict[str, SearchJob] = {}  # in flight, by id
         self.counts = {"in_flight": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,
                        "aborted_requests": 0}
+        self.metrics = ServeMetrics(running=lambda: self._in_flight(running=True),
+                                    queued=lambda: self._in_flight(running=False))
 
     # ---- requests ----
 
@@ -108,7 +123,7 @@ class SearchService:
         try:
             check_limits(search, self.limits)
         except LimitError as exc:
-            raise request_error(exc.field, str(exc)) from None
+            raise request_error(exc.field, str(exc), "limits") from None
         if self.validate is not None:
             try:
                 self.validate(search)
@@ -126,18 +141,22 @@ class SearchService:
         tokens = self.prompt_tokens(question)
         if tokens >= self.context_tokens:
             raise request_error("messages", f"the prompt is {tokens} tokens, the generator's context "
-                                            f"{self.context_tokens}: shorten the question")
+                                            f"{self.context_tokens}: shorten the question", "limits")
         if tokens + search.max_tokens > self.context_tokens:
             raise request_error("max_tokens", f"'max_tokens' {search.max_tokens} after a prompt of {tokens} tokens "
                                               f"is past the generator's context {self.context_tokens}: at most "
-                                              f"{self.context_tokens - tokens}")
+                                              f"{self.context_tokens - tokens}", "limits")
 
     def submit(self, program: str, search: SearchConfig, question: str,
                on_progress: ProgressCallback | None = None) -> SearchJob:
         """Start a search; raises Busy when `max_searches` are in flight. `on_progress(event)` is called from
-        the search's thread after each scoring round."""
+        the search's thread after each scoring round; raises Unavailable while a runtime is down."""
+        down = self.health.down() if self.health is not None else []
+        if down:
+            self.refused("unavailable")
+            raise Unavailable(f"runtime {', '.join(repr(name) for name in down)} is down (being restarted)")
         if not self._slots.acquire(blocking=False):
-            self._count("rejected")
+            self.refused("busy")
             raise Busy(f"{self.max_searches} searches in flight")
         job = SearchJob(id=f"{next(self._numbers)}-{uuid.uuid4().hex[:8]}", program=program, search=search,
                         question=question, on_progress=on_progress)
@@ -155,6 +174,16 @@ class SearchService:
     def cancel(self, job: SearchJob) -> None:
         """Stop `job` in the background (its client left): no new requests, the ones in flight aborted."""
         threading.Thread(target=self._abort, args=(job,), name=f"cancel-{job.id}", daemon=True).start()
+
+    def refused(self, reason: str) -> None:
+        """Count a refused request (`reason`: a `metrics.REFUSALS` label)."""
+        self.metrics.refused.labels(reason).inc()
+        if reason in ("busy", "unavailable"):
+            self._count("rejected")
+
+    def _in_flight(self, running: bool) -> int:
+        with self._lock:
+            return sum(job.running == running for job in self.jobs.values())
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -174,7 +203,8 @@ class SearchService:
         with self._lock:
             self.counts[name] += delta
 
-    def _finished(self, job: SearchJob, outcome: str) -> None:
+    def _finished(self, job: SearchJob, outcome: str, result: SearchResult | None = None) -> None:
+        self.metrics.search_ended(outcome, time.monotonic() - job.started_s, result)
         with self._lock:
             self.counts["in_flight"] -= 1
             self.counts[outcome] += 1
@@ -197,16 +227,21 @@ class SearchService:
         return self.runtimes.new_search(job.search, job.id, observers=[generated], scoring_observers=[scored])
 
     def _run(self, job: SearchJob) -> SearchResult:
-        outcome = "failed"
+        outcome, result = "failed", None
+        job.running = True
         try:
             problem = Problem(id=f"serve-{job.id}", question=job.question, gold=None)
             result = load_program(job.program)(problem, job.search, self.runtimes, job.context)
             outcome = "completed"
             return result
+        except Exception as exc:
+            if not job.context.cancelled:
+                log.error("search %s (%s) failed: %s", job.id, job.program, exc)
+            raise
         finally:
             if job.context.cancelled:
                 outcome = "cancelled"
-            self._finished(job, outcome)
+            self._finished(job, outcome, result)
 
     def _abort(self, job: SearchJob) -> None:
         """Abort the job's requests until none is in flight: a request sent just before the cancel may reach
