@@ -11,6 +11,7 @@ verifier exactly the steps it sends with S off. With R > 0 duplicates share a tr
 original's step, FastTTS's accepted departure from equivalence, checked separately.
 """
 
+import dataclasses
 import threading
 import time
 from collections import defaultdict
@@ -334,3 +335,23 @@ def test_speculation_refuses_to_expand_with_logprobs():
     extension = extension_factory(EQUIVALENT_S, TimedScriptedBackend(MODEL))(SearchContext(SEARCH))
     with pytest.raises(ValueError, match=r"speculative beam extension \(FastTTS S\) cannot return top logprobs"):
         extension.expand([(ReasoningPath(state=None), 2)], SEARCH, extension.search, extract_answer, logprobs=5)
+
+
+def test_with_s_on_a_step_that_asks_for_logprobs_is_expanded_plainly():
+    """DeepConf's steps need every token's logprobs: with a step extension on, `expand` writes them plainly."""
+    from sgl_tts.search.programs import with_program_settings
+    from sgl_tts.testing import ScriptedBackend
+
+    class Untouchable:  # a step extension that must not be asked
+        def expand(self, *args, **kwargs):
+            raise AssertionError("a step with logprobs went to the step extension")
+
+    config = with_program_settings(dataclasses.replace(SEARCH, program="deepconf", n=6, settings=None))
+
+    def deepconf_result(extension_factory):
+        runtimes = Runtimes(generator=ScriptedBackend(MODEL), scorer=None, prompt=lambda q: PROMPT,
+                            extension_factory=extension_factory)
+        return load_program("deepconf")(PROBLEM, config, runtimes)
+
+    result = deepconf_result(lambda search: Untouchable())  # fails if any step went to the extension
+    assert result.error is None and len(result.extra["deepconf"]["confidences"]) == len(result.candidates) > 0

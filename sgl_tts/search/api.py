@@ -176,8 +176,8 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
         bind_search(parent.state, tracker)
     extension = tracker.extension
-    if extension is not None:
-        children = extension.expand(parents, config, tracker, extract_answer, logprobs=logprobs)
+    if extension is not None and not logprobs:  # speculative text carries no logprobs: such a step goes plainly
+        children = extension.expand(parents, config, tracker, extract_answer)
     else:
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
     tracker.generator_time_s += time.monotonic() - began
