@@ -106,6 +106,12 @@ def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
     return settings, share_cpu_cores(wanted)
 
 
+def start_runtime(config: RuntimeConfig, name: str, log_dir: str | None, wait: bool = True) -> Any:
+    """One runtime of `config`: a server, or replicas behind SGLang's router when the config routes."""
+    starter = ReplicaSet.start if config.routed else Runtime.start
+    return starter(config, name=name, log_dir=log_dir, wait=wait)
+
+
 class Session:
     """Owns the runtimes of one run. Use as a context manager so they are always stopped."""
 
@@ -139,8 +145,7 @@ class Session:
                 continue
             if previous is not None:
                 previous.stop()
-            starter = ReplicaSet.start if runtime_config.routed else Runtime.start
-            self.runtimes[name] = starter(runtime_config, name=name, log_dir=log_dir, wait=False)
+            self.runtimes[name] = start_runtime(runtime_config, name, log_dir, wait=False)
         for unused in self._reuse.values():
             unused.stop()
         self._reuse.clear()
@@ -190,8 +195,7 @@ class Session:
         server. Searches in flight on the old one fail with a runtime error. Raises what the start raises."""
         old = self.runtimes[name]
         old.stop()
-        starter = ReplicaSet.start if old.config.routed else Runtime.start
-        self.runtimes[name] = starter(old.config, name=name, log_dir=self.config.log_dir)
+        self.runtimes[name] = start_runtime(old.config, name, self.config.log_dir)
         fresh = self._connect()
         for item in dataclasses.fields(Runtimes):
             setattr(self.search_runtimes, item.name, getattr(fresh, item.name))
