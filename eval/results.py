@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from sgl_tts.config import parse_json_object
+from sgl_tts.measure.metrics import problem_metrics
+from sgl_tts.problems import DATASETS
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,37 @@ RUN = "run"
 RESULT = "result"
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")  # the driver's per-GPU info files
 PACKAGES = ("sgl-tts", "sglang", "torch", "transformers", "math-verify", "datasets")
+
+
+def result_line(problem: Any, result: Any, error: BaseException | str | None, *, arm: str, dataset: str,
+                dataset_name: str, n: int, seed: int, repetition: int, **fields: Any) -> dict[str, Any]:
+    """One finished problem's result line, as `sgl-tts eval` and `sgl-tts run --out` write it: who it is (problem,
+    arm, dataset key, n, seed, repetition, `fields`, the difficulty level when the problem has one), then either
+    its metrics graded against the problem's gold (with `dataset_name`'s answer rules when it is a known dataset),
+    the times and the whole result, or `failed` with the error (`error`, the result's own `error`, or grading's)
+    and whatever result there is. JSON-safe: objects JSON cannot hold (a program's `extra`) are stored as repr."""
+    row: dict[str, Any] = {"problem_id": problem.id, "arm": arm, "dataset": dataset, "n": n, "seed": seed,
+                           "repetition": repetition, **fields}
+    if "level" in problem.meta:  # a difficulty level (the graded set): the report's accuracy per level
+        row["level"] = problem.meta["level"]
+    if error is None and result is not None and result.error:
+        error = result.error
+    if error is None:
+        try:
+            metrics = problem_metrics(result, problem.gold, dataset_name if dataset_name in DATASETS else None,
+                                      pass_ns=[n])
+        except Exception as exc:  # e.g. grading could not run: keep the search, mark the line failed
+            error = exc
+    if error is not None:
+        row.update(failed=True, error=error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+        if result is not None:
+            row["result"] = result.to_dict()
+    else:
+        row.update(failed=False, metrics=metrics,
+                   timing={"total_s": result.total_time_s, "generator_s": result.generator_time_s,
+                           "verifier_s": result.verifier_time_s},
+                   result=result.to_dict())
+    return json.loads(json.dumps(row, default=repr))
 
 
 class ResultStore:

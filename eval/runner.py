@@ -55,12 +55,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
-from sgl_tts.problems import DATASETS, Problem, load_problems
+from sgl_tts.problems import Problem, load_problems
 from eval.report import RESULTS_FILE, row_key, write_report
-from eval.results import ResultStore, config_hash, provenance
+from eval.results import ResultStore, config_hash, provenance, result_line
 from sgl_tts.config import ConfigError
 from sgl_tts.paths import folder_lock, write_atomic
-from sgl_tts.measure.metrics import problem_metrics, summarize
+from sgl_tts.measure.metrics import summarize
 from sgl_tts.search.records import SearchResult
 from sgl_tts.runtime.server import RuntimeDiedError
 
@@ -215,17 +215,15 @@ class SessionSolver:
 
         SGLang's /flush_cache only flushes an idle scheduler; with `timeout` it waits that long for idleness
         (right after a batch the scheduler is not idle until its loop has turned once more)."""
-        import urllib.error
-        import urllib.request
+        from sgl_tts.runtime.http_client import request
 
         refused = []
         for name, runtime in self.session.runtimes.items():
             if runtime.config.is_embedding:
                 continue
-            request = urllib.request.Request(runtime.url + "/flush_cache?timeout=30", data=b"")
             try:
-                urllib.request.urlopen(request, timeout=60).read()
-            except (urllib.error.URLError, OSError) as exc:
+                request("POST", runtime.url + "/flush_cache?timeout=30", timeout=60)
+            except OSError as exc:  # unreachable, or an error answer (not idle in time)
                 refused.append(f"{name} ({exc})")
         return refused
 
@@ -558,38 +556,20 @@ class EvalRun:
 
     def write_row(self, unit: Unit, problem: Problem, result: SearchResult | None, error: Exception | None,
                   wall_s: float, entries: list, solver: Any, session: int, row_provenance: dict[str, Any]) -> None:
-        row: dict[str, Any] = {"problem_id": problem.id, "arm": unit.arm, "dataset": unit.dataset, "n": unit.n,
-                               "seed": unit.seed, "repetition": unit.repetition, "session": session}
-        if "level" in problem.meta:  # a difficulty level (the graded set): the report's accuracy per level
-            row["level"] = problem.meta["level"]
-        if error is None:
-            selection = next(d for d in self.config.datasets if d.key == unit.dataset)
-            try:
-                metrics = problem_metrics(result, problem.gold, selection.name if selection.name in DATASETS else None,
-                                          pass_ns=[unit.n])
-            except Exception as exc:  # e.g. grading could not run: keep the search, mark the line failed
-                error = exc
-        if error is not None:
-            row.update(failed=True, error=f"{type(error).__name__}: {error}")
-            if result is not None:
-                row["result"] = result.to_dict()
+        selection = next(d for d in self.config.datasets if d.key == unit.dataset)
+        row = result_line(problem, result, error, arm=unit.arm, dataset=unit.dataset, dataset_name=selection.name,
+                          n=unit.n, seed=unit.seed, repetition=unit.repetition, session=session)
+        if row["failed"]:
             self.failed += 1
             self.log(f"arm '{unit.arm}' problem '{problem.id}' failed: {row['error'].splitlines()[0]}")
         else:
-            row.update(
-                failed=False,
-                metrics=metrics,
-                timing={"runtime_start_s": solver.startup_s, "runtimes_reused": solver.reused,
-                        "solve_wall_s": wall_s, "total_s": result.total_time_s,
-                        "generator_s": result.generator_time_s, "verifier_s": result.verifier_time_s,
-                        "requests": request_windows([e for e in entries if e.runtime == "generator"])},
-                result=result.to_dict(),
-            )
+            row["timing"] = {"runtime_start_s": solver.startup_s, "runtimes_reused": solver.reused,
+                             "solve_wall_s": wall_s, **row["timing"],
+                             "requests": request_windows([e for e in entries if e.runtime == "generator"])}
             if any(e.runtime == "target" for e in entries):
                 row["timing"]["target_requests"] = request_windows([e for e in entries if e.runtime == "target"])
             self.written += 1
         row["provenance"] = row_provenance
-        # A program may put objects that JSON cannot hold into `extra`: store their repr rather than fail.
         self.store.append(json.loads(json.dumps(row, default=repr)))
 
 

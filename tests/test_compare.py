@@ -4,7 +4,7 @@ import dataclasses
 
 from collections import Counter
 
-from sgl_tts.app.compare import (SC_MAX_SAMPLES, format_comparison, matched_vote, run_comparison,
+from sgl_tts.app.compare import (SC_MAX_SAMPLES, format_comparison, matched_vote, print_comparison, run_comparison,
                                  samples_to_match)
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.problems import Problem
@@ -117,3 +117,20 @@ def test_the_table_gives_wilson_intervals_tokens_per_solved_and_the_paired_test_
     p = mcnemar_exact(greedy.correct, search.correct).p_value
     assert p < 0.01 and f"{p:.3f}" in lines[3] and "500" in lines[3], "10 discordant pairs all for the search"
     assert search.tokens_per_solved == 500 and none.tokens_per_solved is None
+
+
+def test_fasttts_on_is_not_compared_with_off_unless_asked(monkeypatch, capsys):
+    """`--compare` keeps its runtimes (no restart without P, M, S); the table says FastTTS was not compared."""
+    from sgl_tts.app import session as session_module
+    from sgl_tts.fasttts.switches import FastTTSConfig
+
+    restarted = []
+    monkeypatch.setattr(session_module, "Session", lambda *a, **k: restarted.append(a) or None)
+    config = RunConfig(search=SearchConfig(program="best_of_n", n=2, max_steps=2, max_step_tokens=8, max_tokens=16),
+                       fasttts=FastTTSConfig(prefix_order=True, speculative=True))
+    session = ScriptedSession(config)
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(2)]
+    arms = run_comparison(session, problems, list(session.solve_all(problems)), log=lambda line: None)
+    assert len(arms) == 4 and not restarted and session.closed
+    print_comparison(arms)
+    assert "FastTTS on/off: not compared" in capsys.readouterr().out

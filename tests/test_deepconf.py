@@ -151,6 +151,22 @@ def test_online_stops_a_trace_whose_window_falls_below_the_warmup_threshold():
     assert len(backend.requests) == 4 + 4 + 4 + 3 + 3 and result.answer == "1"
 
 
+def test_check_tokens_stops_a_doubting_trace_within_that_many_tokens_of_its_dip():
+    # As above, but trace 5's doubting step (7 words: "sure" and six "doubt") is written 5 tokens at a time.
+    plan = {**{t: (3, str(t % 2), None) for t in range(4)}, **{t: (3, "1", 1 if t == 5 else None) for t in range(4, 8)}}
+    by_step, _ = solve(PlannedModel(plan=plan), n=8, warmup=4, window=2, keep_fraction=0.9)
+    by_piece, backend = solve(PlannedModel(plan=plan), n=8, warmup=4, window=2, keep_fraction=0.9, check_tokens=5)
+    stepped, pieced = by_trace(by_step), by_trace(by_piece)
+    assert stepped[5].finish_reason == pieced[5].finish_reason == "low_confidence"
+    first_step = stepped[5].tokens - 7
+    assert stepped[5].tokens == first_step + 7, "checked at the step's end: the whole doubting step is written"
+    assert pieced[5].tokens == first_step + 5, "checked after 5 tokens: the window of 2 fell below s at token 2"
+    assert pieced[5].steps[-1] == "sure doubt doubt doubt doubt"
+    for t in (4, 6, 7):  # steps of at most 5 tokens are single pieces: the same traces and answers
+        assert pieced[t].text == stepped[t].text and pieced[t].finish_reason == "answer"
+    assert by_piece.answer == by_step.answer == "1" and by_piece.generated_tokens == by_step.generated_tokens - 2
+
+
 def test_a_warmup_trace_below_the_threshold_does_not_vote():
     # Warm-up trace 0 doubts: the only one below s, the 10% quantile of the warm-up's confidences.
     plan = {0: (2, "0", 1), 1: (2, "0", None), **{t: (2, "1", None) for t in range(2, 4)}}
@@ -212,7 +228,7 @@ def test_expand_with_logprobs_carries_every_tokens_confidence_across_steps(logpr
 
 def test_settings_are_validated_strictly():
     assert program_settings("deepconf", {"keep_fraction": 1.0, "mode": "offline"}).keep_fraction == 1.0
-    known = "consensus, keep_fraction, mode, top_k, warmup, window"
+    known = "check_tokens, consensus, keep_fraction, mode, top_k, warmup, window"
     with pytest.raises(ConfigError, match=rf"yaml: unknown key 'search\.settings\.keep'; known keys here: {known}"):
         program_settings("deepconf", {"keep": 0.5}, "run.yaml")
     for value in (0.0, 1.5, -0.1):

@@ -57,7 +57,7 @@ def test_budget_experiment_runs_every_arm_over_its_n_values():
         assert unit.config.search.n == unit.n
     assert cells == {"greedy": {1}, "best_of_n": {1, 2, 4, 8, 16}, "self_consistency": {1, 2, 4, 8, 16},
                      "beam_search": {2, 4, 8, 16}, "dvts": {2, 4, 8, 16}}
-    assert experiment.arm_configs["best_of_n"].search.selection == "best"
+    assert experiment.arm_configs["best_of_n"].search.selection == "weighted"
     assert len(experiment.units()) == 19 * 2
     [dataset] = experiment.config.datasets
     assert dataset.name == "graded" and dataset.limit is None and dataset.ids is None and dataset.offset == 0

@@ -28,10 +28,21 @@ class FakeRuntime:
 
 
 class FakeReplicaSet:
-    def __init__(self, name, replicas=2):
+    """A replica set whose liveness the test sets; `restart_replica` replaces a replica by a live one, after
+    failing as often as `failing_starts` says."""
+
+    def __init__(self, name, replicas=2, failing_starts=0):
         self.name = name
         self.workers = [FakeRuntime(f"{name}-{i}") for i in range(replicas)]
         self.router = FakeRuntime(f"{name}-router")
+        self.failing_starts = failing_starts
+        self.restarted = []  # the index of each restart_replica call
+
+    def restart_replica(self, index):
+        self.restarted.append(index)
+        if len(self.restarted) <= self.failing_starts:
+            raise RuntimeError(f"start of {self.workers[index].name} failed ({len(self.restarted)})")
+        self.workers[index] = FakeRuntime(self.workers[index].name)
 
 
 @pytest.fixture
@@ -174,6 +185,77 @@ def test_the_supervisor_thread_restarts_what_dies_and_health_shows_restarting():
         supervisor.stop()
 
 
+def test_the_supervisor_restarts_a_dead_replica_with_backoff_and_the_set_stays_up(caplog):
+    target = FakeReplicaSet("target", replicas=3, failing_starts=2)
+    runtimes = {"generator": FakeRuntime("generator"), "target": target}
+    sleeps, restarted = [], []
+    supervisor = Supervisor(lambda: runtimes, restarted.append, attempts=5, backoff_s=1.0, sleep=sleeps.append)
+    target.workers[1].up = False
+    with caplog.at_level(logging.INFO, logger="sgl_tts.serve"):
+        supervisor.check()
+    assert target.restarted == [1, 1, 1] and sleeps == [1.0, 2.0], "the dead replica, with doubling backoff"
+    assert restarted == [], "the set is up: it is not restarted as a whole"
+    assert target.workers[1].alive() and supervisor.restarts == 1
+    assert supervisor.health()["target"] == {"state": "up", "router": "up", "down": [],
+                                             "replicas": {"target-0": "up", "target-1": "up", "target-2": "up"}}
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "is down: restart attempt" in m] == [
+        f"replica 'target-1' of runtime 'target' is down: restart attempt {i} of 5" for i in (1, 2, 3)]
+    assert "replica 'target-1' of runtime 'target' restarted (attempt 3)" in messages
+
+
+def test_a_replica_given_up_on_stays_failed_while_the_set_serves_and_a_set_restart_clears_it():
+    target = FakeReplicaSet("target", failing_starts=10)
+    runtimes = {"target": target}
+    restarted = []
+
+    def restart(name):
+        restarted.append(name)
+        runtimes[name] = FakeReplicaSet(name)
+
+    supervisor = Supervisor(lambda: runtimes, restart, attempts=2, sleep=lambda s: None)
+    target.workers[0].up = False
+    supervisor.check()
+    assert target.restarted == [0, 0] and restarted == []
+    state = supervisor.health()["target"]
+    assert state["state"] == "up" and state["replicas"] == {"target-0": "failed", "target-1": "up"}
+    assert state["down"] == ["target-0"] and supervisor.down() == [], "the set serves on its live replica"
+    supervisor.check()
+    assert target.restarted == [0, 0], "a replica given up on is not retried at every look"
+
+    target.workers[1].up = False  # no replica left: the set is down and restarted as a whole
+    supervisor.check()
+    assert restarted == ["target"] and supervisor.restarts == 1
+    assert supervisor.health()["target"]["replicas"] == {"target-0": "up", "target-1": "up"}
+
+
+def test_health_shows_a_replica_restarting_while_the_set_stays_up():
+    target = FakeReplicaSet("target")
+    restarting, release = threading.Event(), threading.Event()
+    restart_replica = target.restart_replica
+
+    def slow_restart(index):
+        restarting.set()
+        assert release.wait(timeout=60)
+        restart_replica(index)
+
+    target.restart_replica = slow_restart
+    supervisor = Supervisor(lambda: {"target": target}, lambda name: None, interval_s=0.01).start()
+    try:
+        target.workers[0].up = False
+        assert restarting.wait(timeout=60)
+        state = supervisor.health()["target"]
+        assert state["state"] == "up" and state["replicas"] == {"target-0": "restarting", "target-1": "up"}
+        assert supervisor.down() == []
+        release.set()
+        wait_until(lambda: supervisor.restarts == 1)
+        assert supervisor.health()["target"]["replicas"] == {"target-0": "up", "target-1": "up"}
+        assert target.restarted == [0]
+    finally:
+        release.set()
+        supervisor.stop()
+
+
 def metrics(http):
     answer = httpx.get(http.url + "/metrics", timeout=60)
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
@@ -208,3 +290,23 @@ def test_metrics_are_prometheus_text_and_move_with_requests(served):
     timings = reply["sgl_tts"]["timings"]
     share = timings["verifier_s"] / timings["total_s"] if timings["total_s"] else 0.0
     assert after["sgl_tts_verifier_time_share[]"] == pytest.approx(share)
+
+
+def test_stopping_the_supervisor_waits_for_a_restart_under_way_no_longer_than_asked():
+    runtimes = {"generator": FakeRuntime("generator")}
+    restarting, release = threading.Event(), threading.Event()
+
+    def restart(name):
+        restarting.set()
+        assert release.wait(timeout=60)
+
+    supervisor = Supervisor(lambda: runtimes, restart, interval_s=0.01).start()
+    try:
+        runtimes["generator"].up = False
+        assert restarting.wait(timeout=60)
+        supervisor.stop(timeout_s=0.05)
+        assert not release.is_set() and supervisor._thread.is_alive(), "returned with the restart still blocked"
+    finally:
+        release.set()
+        supervisor.stop()
+    assert not supervisor._thread.is_alive()

@@ -1,14 +1,15 @@
 """`sgl-tts run --compare`: what the configured search buys, side by side in one run.
 
-Two references, then three arms, on the same problems, after one another:
+Two references, then two arms (three when asked), on the same problems, after one another:
 0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
    search's temperature;
-1. the configured search (the CPU default: beam search with its verifier, FastTTS switches as configured);
+1. the configured search (the CPU default: best-of-N with its verifier, FastTTS switches as configured);
 2. self-consistency (majority vote, no verifier) at matched generated tokens, on the same runtimes: it draws
    about as many whole solutions per problem as arm 1's tokens pay for (`samples_to_match`), and its vote
    counts the first samples, in launch order, whose tokens add up to no more than arm 1 spent on that
    problem (`matched_vote`);
-3. the configured search with the FastTTS switches (P, M, S) turned off, on runtimes restarted for it.
+3. with `fasttts_off`: the configured search with the FastTTS switches (P, M, S) turned off, on runtimes
+   restarted for it.
 Each arm runs once: the goodput ratio of 3 against 1 is one run's, not a claim (`sgl-tts bench fasttts`
 repeats and interleaves arms to claim one). Accuracy comes with its 95% Wilson interval, and every arm is
 compared with greedy on the same problems by McNemar's exact test (paired: only the problems one of the two
@@ -106,9 +107,10 @@ def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None =
 
 
 def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
-                   log=print) -> list[ArmSummary]:
-    """The references and arms 2 and 3 around `searched`, arm 1's (problem, result) pairs from `session`;
-    returns them all, greedy first. `session` is closed on return (arm 3 restarts its runtimes)."""
+                   log=print, fasttts_off: bool = False) -> list[ArmSummary]:
+    """The references and arm 2 (and arm 3 with `fasttts_off`) around `searched`, arm 1's (problem, result) pairs
+    from `session`; returns them all, greedy first. `session` is closed on return (arm 3 restarts its
+    runtimes)."""
     from sgl_tts.app.session import Session
 
     config = session.config
@@ -135,13 +137,14 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
 
     off = dataclasses.replace(config, fasttts=dataclasses.replace(
         config.fasttts, prefix_order=False, memory_plan=False, speculative=False))
-    if off.fasttts != config.fasttts:
+    if fasttts_off and off.fasttts != config.fasttts:
         log(f"\n{search_label}, FastTTS off: restarting the runtimes without P, M, S")
         with Session(off, reuse=session.detach()) as session_off:
             arms.append(ArmSummary.of(f"{search_label}, FastTTS off", list(session_off.solve_all(problems))))
     else:
         session.close()
-        log("\nFastTTS is off in this config: no on/off comparison")
+        if fasttts_off:
+            log("\nFastTTS is off in this config: no on/off comparison")
     return arms
 
 
@@ -152,3 +155,6 @@ def print_comparison(arms: Sequence[ArmSummary]) -> None:
     if off is not None and off.goodput > 0:
         print(f"FastTTS on/off goodput ratio: {search.goodput / off.goodput:.2f}x "
               f"(one run each; `sgl-tts bench fasttts` repeats the arms and claims only separated ranges)")
+    elif off is None:
+        print("FastTTS on/off: not compared in this run (`--compare-fasttts` adds the search on runtimes restarted "
+              "without P, M, S; `sgl-tts bench fasttts` measures FastTTS by its own protocol, one search at a time)")

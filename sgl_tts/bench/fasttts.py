@@ -27,13 +27,13 @@ import json
 import re
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from sgl_tts.measure.summary import median_min_max, median_range
 from sgl_tts.paths import write_atomic
 from sgl_tts.measure.tables import Column, console_table
+from sgl_tts.runtime.http_client import http_text, request
 
 ARMS = ("baseline", "P", "P+M", "P+M+S", "all")
 PROGRAMS = ("beam_search", "dvts", "dynamic_branching", "varying_granularity")
@@ -70,7 +70,7 @@ class FastTTSArm:
 def server_counters(runtime: Any) -> dict[str, float]:
     """The runtime's eviction and retraction counters (0 when it exports no metrics)."""
     try:
-        text = urllib.request.urlopen(runtime.url + "/metrics", timeout=30).read().decode()
+        text = http_text(runtime.url + "/metrics", timeout=30)
     except OSError:
         return {name: 0.0 for name in SERVER_COUNTERS}
     return {name: sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
@@ -79,9 +79,7 @@ def server_counters(runtime: Any) -> dict[str, float]:
 
 def flush_caches(runtimes: dict[str, Any]) -> None:
     for runtime in runtimes.values():
-        request = urllib.request.Request(runtime.url + "/flush_cache?timeout=60", method="POST")
-        with urllib.request.urlopen(request, timeout=60) as response:
-            response.read()
+        request("POST", runtime.url + "/flush_cache?timeout=60", timeout=60)
 
 
 def measure(results: list[Any], server: dict[str, float] | None = None, plan: dict[str, Any] | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from pathlib import Path
 
 
@@ -23,7 +22,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--out", metavar="DIR", help="append each problem's result to DIR/results.jsonl as it "
                                                   "finishes (the record `sgl-tts eval` writes per result line)")
     run.add_argument("--compare", action="store_true",
-                     help="then self-consistency at matched tokens and the search with FastTTS off, side by side")
+                     help="then greedy, one sample and self-consistency at matched tokens, side by side")
+    run.add_argument("--compare-fasttts", action="store_true",
+                     help="with --compare: also the search on runtimes restarted with FastTTS off (P, M, S)")
     run.set_defaults(func=run_command)
 
 
@@ -84,10 +85,10 @@ def run_command(args: argparse.Namespace) -> int:
         if results is not None:
             solved = _save_results(solved, results, config)
         code = print_run(_collect(solved, searched), config)
-        if args.compare:
+        if args.compare or args.compare_fasttts:
             from sgl_tts.app.compare import print_comparison, run_comparison
 
-            print_comparison(run_comparison(session, problems, searched))
+            print_comparison(run_comparison(session, problems, searched, fasttts_off=args.compare_fasttts))
         return code
 
 
@@ -103,23 +104,11 @@ def start_results(folder: str, config) -> "ResultStore":
 
 
 def result_record(problem, result, config) -> dict:
-    """One problem's line, as `sgl-tts eval` writes it (arm "run", repetition 0): metrics graded against the
-    problem's gold, the whole result; a failed search's line has `failed` and its error instead of metrics."""
-    from sgl_tts.measure.metrics import problem_metrics
-    from sgl_tts.problems import DATASETS
+    """One problem's line, as `sgl-tts eval` writes it (arm "run", repetition 0)."""
+    from eval.results import result_line
 
-    row = {"problem_id": problem.id, "arm": "run", "dataset": config.dataset.name, "n": config.search.n,
-           "seed": config.search.seed, "repetition": 0}
-    if "level" in problem.meta:
-        row["level"] = problem.meta["level"]
-    if result.error:
-        row.update(failed=True, error=result.error)
-    else:
-        dataset = config.dataset.name if config.dataset.name in DATASETS else None
-        row.update(failed=False, metrics=problem_metrics(result, problem.gold, dataset, pass_ns=[config.search.n]))
-    row.update(timing={"total_s": result.total_time_s, "generator_s": result.generator_time_s,
-                       "verifier_s": result.verifier_time_s}, result=result.to_dict())
-    return json.loads(json.dumps(row, default=repr))  # objects JSON cannot hold (a program's `extra`): their repr
+    return result_line(problem, result, None, arm="run", dataset=config.dataset.name,
+                       dataset_name=config.dataset.name, n=config.search.n, seed=config.search.seed, repetition=0)
 
 
 def _save_results(pairs, store, config):

@@ -2,17 +2,28 @@
 
 A `ReplicaSet` (what a session starts for `config.replicas > 1` or `config.remote_workers`) is the servers
 on free ports (on CUDA, replica i from GPU i·tp on), any servers running elsewhere, and
-`python -m sglang_router.launch_router` (package sglang-router) in front of them, with cache-aware routing (a prompt goes where its prefix is cached). The set has the `Runtime` interface
-(`url` is the router's), so sessions, programs and scorers use it unchanged. Each router gets its own
+`python -m sglang_router.launch_router` (package sglang-router) in front of them, with cache-aware routing (a
+prompt goes where its prefix is cached). The set has the `Runtime` interface (`url` is the router's), so
+sessions, programs and scorers use it unchanged. Each router gets its own
 `--prometheus-port`: two routers on the default (29000) collide and the second panics.
+
+A dead replica is replaced with `restart_replica` while the others serve. The router is told through its worker
+API rather than left to find out: by itself it keeps a dead worker in rotation (its health check runs once a
+minute), so the requests it sends there fail (cache-aware routing sends each prompt whose prefix that worker had
+cached, and the router's retries go to the same worker) until ten attempts have failed and the worker's circuit
+breaker opens; from then on it skips the worker until the breaker's timeout (60 s) has passed, even when a new
+server is already back on the worker's URL (observed with sglang-router 0.3.2).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
+from sgl_tts.runtime.http_client import http_json, request
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeDiedError, free_port, spawn_group
 
 ROUTING_POLICY = "cache_aware"
@@ -30,6 +41,55 @@ def router_command(config: RuntimeConfig, port: int, worker_urls: list[str], pro
             "--worker-urls", *worker_urls, "--policy", ROUTING_POLICY,
             "--balance-abs-threshold", str(BALANCE_ABS_THRESHOLD), "--prometheus-port", str(prometheus_port),
             *config.router_args]
+
+
+# The router's worker API (sglang-router 0.3.2): GET /workers lists each worker as {"id", "url", "is_healthy",
+# ...}; POST /workers {"url": ...} and DELETE /workers/{id} queue an addition or a removal (202 Accepted) that a
+# background job carries out, so a change is done once the list shows it.
+ROUTER_API_TIMEOUT_S = 10.0
+ROUTER_CHANGE_TIMEOUT_S = 120.0  # the longest the router's job may take to list an added worker or drop one
+
+
+def router_workers(router_url: str) -> dict[str, dict]:
+    """The workers the router at `router_url` routes to: URL → its record."""
+    listed = http_json(router_url + "/workers", timeout=ROUTER_API_TIMEOUT_S)["workers"]
+    return {worker["url"]: worker for worker in listed}
+
+
+def remove_worker(router_url: str, worker_url: str) -> None:
+    """Stop the router routing to `worker_url`; returns once the router no longer lists it (at once when it did
+    not)."""
+    listed = router_workers(router_url).get(worker_url)
+    if listed is not None:
+        request("DELETE", f"{router_url}/workers/{listed['id']}", timeout=ROUTER_API_TIMEOUT_S)
+    _wait_for(lambda: worker_url not in router_workers(router_url),
+              f"the router at {router_url} still lists worker {worker_url}")
+
+
+def add_worker(router_url: str, worker_url: str) -> None:
+    """Have the router route to `worker_url` (a ready server); returns once the router lists it as healthy."""
+    request("POST", router_url + "/workers", {"url": worker_url}, timeout=ROUTER_API_TIMEOUT_S)
+    _wait_for(lambda: router_workers(router_url).get(worker_url, {}).get("is_healthy") is True,
+              f"the router at {router_url} does not list worker {worker_url} as healthy")
+
+
+def _wait_for(done: Callable[[], bool], failure: str, timeout_s: float = ROUTER_CHANGE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{failure} after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def set_aside(log_path: Path) -> None:
+    """Rename a stopped server's log to the first free `<name>.<k>.log`, so that a server started again under the
+    same name and port does not overwrite it."""
+    if not log_path.exists():
+        return
+    k = 1
+    while (kept := log_path.with_name(f"{log_path.stem}.{k}{log_path.suffix}")).exists():
+        k += 1
+    log_path.rename(kept)
 
 
 def replica_config(config: RuntimeConfig, index: int) -> RuntimeConfig:
@@ -89,6 +149,25 @@ class ReplicaSet:
         # The router answers /get_model_info and /generate like a server, so Runtime's readiness check,
         # process-group stop and watchdog serve it too.
         return Runtime(f"{self.name}-router", self.config, self.model_path, port, process, log_path)
+
+    def restart_replica(self, index: int) -> Runtime:
+        """Replace local replica `index` (dead or not) by a new server of its config on its port, routed to
+        again; returns the new server. The other replicas serve meanwhile.
+
+        The router stops routing to the old server before it is stopped, and routes to the new one once it is
+        ready (see the module's docstring for why the router is told). The old server's log is kept
+        (`set_aside`). When a step fails, the replica is left out of the router; calling this again retries."""
+        if self.router is None or not self.router.alive():
+            raise RuntimeDiedError(f"replica set '{self.name}': its router is not running")
+        old = self.workers[index]
+        remove_worker(self.router.url, old.url)
+        old.stop()
+        set_aside(old.log_path)
+        config = replace(replica_config(self.config, index), port=old.port)
+        new = Runtime.start(config, name=old.name, log_dir=self.log_dir)
+        self.workers[index] = new
+        add_worker(self.router.url, new.url)
+        return new
 
     @property
     def url(self) -> str:

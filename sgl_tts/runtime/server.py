@@ -18,12 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from sgl_tts.runtime.http_client import http_json
 from sgl_tts.runtime.models import resolve_model
 
 LOCALHOST = "127.0.0.1"
@@ -159,15 +158,6 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
             env["OMP_NUM_THREADS"] = str(config.cpu_threads)
     env.update(config.env)
     return env
-
-
-def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
-    """POST `payload` (or GET when None) and decode the JSON answer (None for an empty body)."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
-    return json.loads(body) if body.strip() else None
 
 
 def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None) -> dict[str, RuntimeConfig]:
@@ -310,7 +300,7 @@ class Runtime:
                     http_json(self.url + "/generate",
                               {"text": "1", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=120)
                 return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
+            except (OSError, json.JSONDecodeError):  # not answering yet, or an error answer
                 time.sleep(1.0)
         self.stop()
         raise RuntimeStartError(
@@ -375,7 +365,16 @@ def group_members(pgid: int) -> list[int]:
 
 def abort_requests(runtime: Any, rids: list[str], timeout: float = 30.0) -> None:
     """Abort requests `rids` on every server behind `runtime` (a no-op for a rid that has finished or that a
-    server never saw). SGLang 0.5.23 aborts by exact rid; `{"abort_all": true}` would stop other clients' too."""
+    server never saw). SGLang 0.5.23 aborts by exact rid; `{"abort_all": true}` would stop other clients' too.
+
+    A server that fails (a dead replica of a set) does not keep the others from their aborts: every server is
+    tried, then the first failure is raised."""
+    failure: OSError | None = None
     for url in getattr(runtime, "worker_urls", [runtime.url]):
-        for rid in rids:
-            http_json(url + "/abort_request", {"rid": rid}, timeout=timeout)
+        try:
+            for rid in rids:
+                http_json(url + "/abort_request", {"rid": rid}, timeout=timeout)
+        except OSError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -3,8 +3,10 @@
 Searches run on the service's threads; the handlers only await them, so a long search never delays
 `/health`. A client that disconnects before its answer has its search cancelled (SearchService.cancel).
 A runtime that is down makes `/health` 503 (with each runtime's state) and refuses new searches with 503; a
-search that failed because a runtime died is 503 too, with Retry-After, so clients back off. Every request is
-logged (logger `sgl_tts.serve`): method, path, status, duration and the search id.
+search that failed because a runtime died is 503 too, with Retry-After, so clients back off. While the server
+shuts down (`SearchService.shut_down`), new searches are refused and the ones in flight are answered at once
+with 503 `shutting_down` (a stream gets it as its last event, then `[DONE]`). Every request is logged (logger
+`sgl_tts.serve`): method, path, status, duration and the search id.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sgl_tts.serve.protocol import (EXTENSION, RequestError, answer_chunks, chun
                                     parse_chat_request)
 from sgl_tts.search.api import RUNTIME_FAILURES
 from sgl_tts.serve.metrics import CONTENT_TYPE
-from sgl_tts.serve.service import Busy, SearchJob, SearchService, Unavailable
+from sgl_tts.serve.service import Busy, SearchJob, SearchService, ShuttingDown, Unavailable
 from sgl_tts.search.context import SearchCancelled
 
 log = logging.getLogger("sgl_tts.serve")
@@ -86,8 +88,8 @@ def runtime_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
-def unavailable(message: str) -> "APIError":
-    return APIError(503, error_body(message, "server_error", code="runtime_unavailable"),
+def unavailable(message: str, code: str = "runtime_unavailable") -> "APIError":
+    return APIError(503, error_body(message, "server_error", code=code),
                     headers={"Retry-After": str(RUNTIME_RETRY_AFTER_S)})
 
 
@@ -207,6 +209,8 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         except Unavailable as exc:
             raise unavailable(f"unavailable: {exc}; retry later")
+        except ShuttingDown as exc:
+            raise unavailable(f"unavailable: {exc}", code="shutting_down")
         request.scope.setdefault(ACCESS, {})["search_id"] = job.id
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if parsed.stream:
@@ -236,6 +240,8 @@ def _field_of(exc: ConfigError, settings: dict[str, Any]) -> str | None:
 def _result_or_error(job: SearchJob, render):
     try:
         return render(job.future.result())
+    except ShuttingDown as exc:
+        raise unavailable(str(exc), code="shutting_down")
     except SearchCancelled as exc:
         raise APIError(499, error_body(str(exc), "cancelled"))
     except Exception as exc:  # the search failed: the error names the runtime or the program

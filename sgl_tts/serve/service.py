@@ -1,9 +1,15 @@
 """Searches in flight for the server: validation of per-request settings, a bound, progress, cancellation.
 
-HTTP-agnostic: `SearchService.submit` starts a search on a worker thread (never on the event loop) and
+HTTP-agnostic: `SearchService.submit` starts a search on a thread of its own (never on the event loop) and
 returns its `SearchJob`; past `max_searches` searches in flight it raises `Busy` instead of queueing.
 `cancel(job)` stops a search whose client left: new generator requests are refused and the ones in flight
 are aborted on the runtime (`POST /abort_request` by rid on every server behind it).
+
+Shutting down comes in two steps, so that no client waits for a search thread: `shut_down()` refuses new
+searches and answers every search in flight at once (its future fails with `ShuttingDown`) while cancelling it;
+`join(timeout_s)` waits, bounded, for the search threads to end. A thread blocked in a runtime call (a scorer
+request, say) ends when the runtimes are stopped, which fails the call; search threads are daemons, so one still
+blocked never holds up the process's exit.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,7 +31,7 @@ from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.search.limits import LimitError, Limits, check_limits
 from sgl_tts.search.programs import load_program, program_names, with_program_settings
 from sgl_tts.search.records import SearchResult
-from sgl_tts.search.context import SearchContext
+from sgl_tts.search.context import SearchCancelled, SearchContext
 from sgl_tts.serve.metrics import ServeMetrics
 
 log = logging.getLogger("sgl_tts.serve")
@@ -40,6 +46,11 @@ class Unavailable(RuntimeError):
     """A runtime the searches need is down (being restarted, or given up on)."""
 
 
+class ShuttingDown(SearchCancelled):
+    """The server is shutting down: a new search is refused with it, and each search in flight is cancelled
+    and answered with it."""
+
+
 @dataclass
 class SearchJob:
     """One search in flight."""
@@ -49,7 +60,7 @@ class SearchJob:
     search: SearchConfig
     question: str
     context: SearchContext | None = None  # the search's state: its requests in flight, cancellation
-    future: Future = field(default_factory=Future)
+    future: Future = field(default_factory=Future)  # its answer: the result, or why there is none
     started_s: float = field(default_factory=time.monotonic)
     generated_tokens: int = 0  # so far, for progress
     rounds: int = 0  # scoring rounds so far
@@ -92,8 +103,9 @@ class SearchService:
         self.health = health
         self.programs = program_names()
         self._slots = threading.BoundedSemaphore(max_searches)
-        self._pool = ThreadPoolExecutor(max_workers=max_searches, thread_name_prefix="sgl-tts-search")
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified whenever a search ends
+        self.shutting_down = False
         self._numbers = itertools.count(1)
         self.jobs: dict[str, SearchJob] = {}  # in flight, by id
         self.counts = {"in_flight": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,
@@ -150,7 +162,11 @@ class SearchService:
     def submit(self, program: str, search: SearchConfig, question: str,
                on_progress: ProgressCallback | None = None) -> SearchJob:
         """Start a search; raises Busy when `max_searches` are in flight. `on_progress(event)` is called from
-        the search's thread after each scoring round; raises Unavailable while a runtime is down."""
+        the search's thread after each scoring round; raises Unavailable while a runtime is down, ShuttingDown
+        once the server is shutting down."""
+        if self.shutting_down:
+            self.refused("unavailable")
+            raise ShuttingDown("the server is shutting down")
         down = self.health.down() if self.health is not None else []
         if down:
             self.refused("unavailable")
@@ -160,12 +176,15 @@ class SearchService:
             raise Busy(f"{self.max_searches} searches in flight")
         job = SearchJob(id=f"{next(self._numbers)}-{uuid.uuid4().hex[:8]}", program=program, search=search,
                         question=question, on_progress=on_progress)
+        job.future.set_running_or_notify_cancel()  # only the service settles it (a waiter's cancel does not)
         with self._lock:
             self.counts["in_flight"] += 1
             self.jobs[job.id] = job
         try:
             job.context = self._new_context(job)  # before the job can be cancelled
-            job.future = self._pool.submit(self._run, job)
+            if self.shutting_down:  # shut_down may have passed this job by before it had a context
+                self._answer_shutting_down(job)
+            threading.Thread(target=self._run, args=(job,), name=f"sgl-tts-search-{job.id}", daemon=True).start()
         except BaseException:
             self._finished(job, "failed")
             raise
@@ -189,13 +208,25 @@ class SearchService:
         with self._lock:
             return {**self.counts, "max_searches": self.max_searches}
 
-    def close(self) -> None:
-        """Cancel the searches in flight (their requests aborted) and wait for their threads to end."""
+    def shut_down(self) -> None:
+        """Refuse new searches (ShuttingDown) and answer each search in flight now with ShuttingDown, its
+        cancellation (requests refused, the ones in flight aborted) going on in the background."""
         with self._lock:
-            in_flight = list(self.jobs.values())
+            self.shutting_down = True
+            in_flight = [job for job in self.jobs.values() if job.context is not None]  # else submit answers it
         for job in in_flight:
-            self._abort(job)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            self._answer_shutting_down(job)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait until every search thread has ended, at most `timeout_s`; whether they all did."""
+        with self._ended:
+            return self._ended.wait_for(lambda: not self.jobs, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Shut down (`shut_down`) and wait, at most `timeout_s`, for the search threads to end; whether they
+        all did."""
+        self.shut_down()
+        return self.join(timeout_s)
 
     # ---- inside ----
 
@@ -210,7 +241,14 @@ class SearchService:
             self.counts[outcome] += 1
             self.jobs.pop(job.id, None)
             self.counts["aborted_requests"] += job.context.aborted_requests if job.context is not None else 0
+            self._ended.notify_all()
         self._slots.release()
+
+    def _answer_shutting_down(self, job: SearchJob) -> None:
+        """Answer `job` with ShuttingDown at once and cancel it in the background."""
+        _settle(job.future, error=ShuttingDown(f"search {job.id} was cancelled: the server is shutting down"))
+        job.context.cancel()  # no new requests from now on, even before the aborts are sent
+        self.cancel(job)
 
     def _new_context(self, job: SearchJob) -> SearchContext:
         def generated(request: Any) -> None:
@@ -226,22 +264,23 @@ class SearchService:
 
         return self.runtimes.new_search(job.search, job.id, observers=[generated], scoring_observers=[scored])
 
-    def _run(self, job: SearchJob) -> SearchResult:
-        outcome, result = "failed", None
+    def _run(self, job: SearchJob) -> None:
+        """The search's thread: run the program, count the outcome, then settle the job's future (after the
+        counts, so that a client that has its answer sees them)."""
+        outcome, result, error = "failed", None, None
         job.running = True
         try:
             problem = Problem(id=f"serve-{job.id}", question=job.question, gold=None)
             result = load_program(job.program)(problem, job.search, self.runtimes, job.context)
             outcome = "completed"
-            return result
-        except Exception as exc:
+        except BaseException as exc:  # the thread's end: the error goes to the future
+            error = exc
             if not job.context.cancelled:
                 log.error("search %s (%s) failed: %s", job.id, job.program, exc)
-            raise
-        finally:
-            if job.context.cancelled:
-                outcome = "cancelled"
-            self._finished(job, outcome, result)
+        if job.context.cancelled:
+            outcome = "cancelled"
+        self._finished(job, outcome, result)
+        _settle(job.future, result, error)
 
     def _abort(self, job: SearchJob) -> None:
         """Abort the job's requests until none is in flight: a request sent just before the cancel may reach
@@ -261,3 +300,15 @@ class SearchService:
                 break
             rids = job.context.in_flight()
         job.aborted.set()
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Give `future` its result (or `error`) unless it has one already: a search answered at shutdown keeps
+    that answer when its thread ends."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
