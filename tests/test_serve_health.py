@@ -163,7 +163,10 @@ def test_the_supervisor_gives_up_after_its_attempts_and_the_runtime_stays_down()
     assert len(calls) == 4, "a runtime given up on is not retried at every look"
 
 
-def test_the_supervisor_thread_restarts_what_dies_and_health_shows_restarting():
+@pytest.fixture
+def restart_under_way():
+    """A polling supervisor whose generator has died and whose restart of it blocks until `release` is set (then
+    a fresh runtime takes its place): (runtimes, supervisor, release)."""
     runtimes = {"generator": FakeRuntime("generator")}
     restarting, release = threading.Event(), threading.Event()
 
@@ -176,13 +179,18 @@ def test_the_supervisor_thread_restarts_what_dies_and_health_shows_restarting():
     try:
         runtimes["generator"].up = False
         assert restarting.wait(timeout=60)
-        assert supervisor.health()["generator"]["state"] == "restarting"
-        release.set()
-        wait_until(lambda: supervisor.restarts == 1)
-        assert supervisor.down() == []
+        yield runtimes, supervisor, release
     finally:
         release.set()
         supervisor.stop()
+
+
+def test_the_supervisor_thread_restarts_what_dies_and_health_shows_restarting(restart_under_way):
+    _, supervisor, release = restart_under_way
+    assert supervisor.health()["generator"]["state"] == "restarting"
+    release.set()
+    wait_until(lambda: supervisor.restarts == 1)
+    assert supervisor.down() == []
 
 
 def test_the_supervisor_restarts_a_dead_replica_with_backoff_and_the_set_stays_up(caplog):
@@ -292,21 +300,10 @@ def test_metrics_are_prometheus_text_and_move_with_requests(served):
     assert after["sgl_tts_verifier_time_share[]"] == pytest.approx(share)
 
 
-def test_stopping_the_supervisor_waits_for_a_restart_under_way_no_longer_than_asked():
-    runtimes = {"generator": FakeRuntime("generator")}
-    restarting, release = threading.Event(), threading.Event()
-
-    def restart(name):
-        restarting.set()
-        assert release.wait(timeout=60)
-
-    supervisor = Supervisor(lambda: runtimes, restart, interval_s=0.01).start()
-    try:
-        runtimes["generator"].up = False
-        assert restarting.wait(timeout=60)
-        supervisor.stop(timeout_s=0.05)
-        assert not release.is_set() and supervisor._thread.is_alive(), "returned with the restart still blocked"
-    finally:
-        release.set()
-        supervisor.stop()
+def test_stopping_the_supervisor_waits_for_a_restart_under_way_no_longer_than_asked(restart_under_way):
+    _, supervisor, release = restart_under_way
+    supervisor.stop(timeout_s=0.05)
+    assert not release.is_set() and supervisor._thread.is_alive(), "returned with the restart still blocked"
+    release.set()
+    supervisor.stop()
     assert not supervisor._thread.is_alive()
