@@ -27,6 +27,39 @@ def test_the_sglang_internals_sgl_tts_relies_on_are_there():
     check_interface()  # fails naming the field or method an SGLang upgrade changed
 
 
+def test_a_program_state_freed_while_threading_holds_its_shutdown_lock_does_not_hang():
+    """The garbage collector may free a state inside threading's own bookkeeping (a new thread starting, with
+    the shutdown lock held). SGLang's finalizer asked the ended worker `is_alive()`, which takes that lock, and
+    the process hung (it stopped a CI run); the installed finalizer must not touch it."""
+    import threading
+    import time
+
+    from sglang.lang.interpreter import ProgramState, StreamExecutor
+
+    shutdown_lock = getattr(threading, "_shutdown_locks_lock", None)
+    if shutdown_lock is None:
+        pytest.skip("this Python's threading has no shutdown lock")
+    executor = StreamExecutor(ScriptedBackend(ScriptedModel()), {}, None, None, False)
+    executor.queue.put(None)  # the worker ends; nobody has asked it is_alive() yet
+    deadline = time.monotonic() + 60
+    while executor.worker._tstate_lock.locked():  # the thread's end, as threading itself will see it
+        assert time.monotonic() < deadline, "the worker thread did not end"
+        time.sleep(0.01)
+    go, finalized = threading.Event(), threading.Event()
+
+    def finalize():
+        go.wait()
+        type(executor).__del__(executor)
+        ProgramState(executor).__del__()  # a ProgramState's finalizer ends its executor too
+        finalized.set()
+
+    threading.Thread(target=finalize, daemon=True).start()  # a daemon thread starts without the lock
+    with shutdown_lock:
+        go.set()
+        done = finalized.wait(timeout=30)
+    assert done, "the state's finalizer waited for threading's shutdown lock"
+
+
 def test_the_example_plain_program_imports_nothing_of_sgl_tts():
     tree = ast.parse(Path(STEP_VOTE).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

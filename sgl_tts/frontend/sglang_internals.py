@@ -9,7 +9,8 @@ are not public API (checked against SGLang 0.5.23):
   child.
 - `StreamExecutor.__init__` starts the worker thread in `contextvars.copy_context()`: a search bound in the
   thread that creates a program's first state (`searching`) is seen by that state's requests (`search_of`).
-- `StreamExecutor.backend`, `.use_thread`, `.worker` (the thread), `.error_`, `.variable_event`, `.end()`.
+- `StreamExecutor.backend`, `.use_thread`, `.worker` (the thread), `.queue`, `.error_`, `.variable_event`,
+  `.end()`, which is replaced (`make_executor_finalizer_lock_free`).
 - `ProgramState.stream_executor`.
 
 `check_interface()` fails with a message naming what changed; `tests/test_frontend.py` calls it, so an
@@ -22,6 +23,7 @@ import contextlib
 import contextvars
 import gc
 import inspect
+import sys
 import threading
 from typing import Any, Iterable, Iterator
 
@@ -49,6 +51,14 @@ def check_interface() -> None:
     assert "contextvars.copy_context().run" in inspect.getsource(StreamExecutor.__init__), (
         "SGLang's StreamExecutor no longer starts its worker in a copy of the caller's contextvars: a state's "
         "requests cannot find their search (sgl_tts.frontend.sglang_internals.search_of)")
+    end_source = inspect.getsource(_sglang_end[0] if _sglang_end else StreamExecutor.end)
+    for step in ("self.queue.put(None)", "self.backend.end_program(self)"):
+        assert step in end_source, (f"SGLang's StreamExecutor.end no longer does `{step}`: its replacement "
+                                    f"(end_without_asking_the_thread) must follow")
+    for owner in (StreamExecutor, ProgramState):
+        assert "end()" in inspect.getsource(owner.__del__), (
+            f"SGLang's {owner.__name__}.__del__ no longer ends its state through end(): a state freed by the "
+            f"garbage collector may ask threading for its lock again (end_without_asking_the_thread)")
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
     for method in ("generate", "commit_lazy_operations"):
@@ -134,6 +144,8 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     A state kept alive by a reference cycle would leak its thread, and at interpreter exit make the exit wait
     forever.
     """
+    if "sglang.lang.interpreter" not in sys.modules:  # no program state was ever made in this process
+        return 0
     from sglang.lang.interpreter import StreamExecutor
 
     wanted = None if backends is None else [b for b in backends]
@@ -144,29 +156,39 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
         if wanted is not None and not any(obj.backend is b for b in wanted):
             continue
         obj.end()
-        obj.worker.join(timeout=5.0)  # joined here, not first asked by the collector (`settle_failed_states`)
+        obj.worker.join(timeout=5.0)
         ended += 1
     return ended
 
 
-def settle_failed_states() -> int:
-    """Let every program state whose worker thread has ended (a failed generation ends it) be collected safely;
-    returns how many.
+def end_without_asking_the_thread(executor: Any) -> None:
+    """`StreamExecutor.end` without asking the worker thread `is_alive()`: tell the worker to stop, then tell
+    the backend the program ended.
 
-    A failed state sits in a reference cycle (its stored error's traceback holds the worker's frame), so the
-    garbage collector frees it, at whatever allocation it runs. Its `__del__` asks the ended thread
-    `is_alive()`, which the first time takes threading's shutdown lock; when the collection runs inside
-    threading's own bookkeeping (a new thread starting), that lock is already held and the process hangs.
-    Asking once here, outside the collector, makes the later call lock-free. Called when a search fails.
+    Both SGLang finalizers (`StreamExecutor.__del__`, `ProgramState.__del__`) call `end()`. The garbage
+    collector frees a state at whatever allocation it runs, and a state in a reference cycle (a failed
+    generation stores an error whose traceback holds the worker's frame) is freed only by the collector.
+    SGLang's `end()` asks `worker.is_alive()`, and the first time that is asked of an ended thread it takes
+    threading's shutdown lock. When the collection runs inside threading's own bookkeeping (a new thread
+    starting, for the next fork), that lock is already held by the same thread and the process hangs. A stop
+    sentinel put in the queue of a worker that has already ended is never read, so no question needs asking.
     """
+    if executor.use_thread:
+        executor.queue.put(None)
+    executor.backend.end_program(executor)
+
+
+_sglang_end: list[Any] = []  # SGLang's own StreamExecutor.end, once replaced
+
+
+def make_executor_finalizer_lock_free() -> None:
+    """Install `end_without_asking_the_thread` as `StreamExecutor.end` (once; called where sgl_tts imports
+    SGLang's interpreter)."""
     from sglang.lang.interpreter import StreamExecutor
 
-    settled = 0
-    for obj in gc.get_objects():
-        if type(obj) is StreamExecutor and obj.use_thread and obj.error_ is not None:
-            obj.worker.join(timeout=5.0)
-            settled += 1
-    return settled
+    if StreamExecutor.end is not end_without_asking_the_thread:
+        _sglang_end.append(StreamExecutor.end)
+        StreamExecutor.end = end_without_asking_the_thread
 
 
 # threading's own exit hook runs before non-daemon threads are joined (atexit runs after, too late).

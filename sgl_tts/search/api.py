@@ -15,7 +15,7 @@ import sglang as sgl
 
 from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.frontend.ledger import RequestLedger
-from sgl_tts.frontend.sglang_internals import bind_search, settle_failed_states, wait_meta
+from sgl_tts.frontend.sglang_internals import bind_search, make_executor_finalizer_lock_free, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
 from sgl_tts.search.confidence import token_confidence
@@ -24,6 +24,8 @@ from sgl_tts.search.grading import answer_at_end, extract_answer
 from sgl_tts.search.records import Candidate, SearchResult
 
 Selection = Literal["best", "weighted", "majority"]
+
+make_executor_finalizer_lock_free()  # a program state freed by the garbage collector must never hang a search
 
 
 @dataclass(frozen=True)
@@ -318,7 +320,6 @@ RUNTIME_FAILURES = (ScorerError, RuntimeDiedError, GeneratorError)  # what a pro
 def search_failed(problem_id: str, program: str, finished: Sequence[ReasoningPath], config: SearchConfig,
                   tracker: SearchContext, exc: BaseException) -> SearchError:
     """The SearchError for `exc`, keeping the `finished` paths as the partial result's candidates."""
-    settle_failed_states()
     message = f"{program} stopped: {exc}"
     return SearchError(message, build_result(problem_id, program, finished, config, tracker, error=message))
 
