@@ -537,8 +537,8 @@ class EvalRun:
 
     @staticmethod
     def solve_one(solver: Any, unit: Unit, problem: Problem) -> tuple[SearchResult | None, Exception | None, float, list]:
+        began = time.monotonic()  # before the context, whose own clock (the result's total_s) starts when it is made
         context = solver.new_search(problem, unit.config.search)
-        began = time.monotonic()
         try:
             result, error = solver.solve(problem, unit.config.search, context), None
         except Exception as exc:  # reported per problem; a dead runtime is told apart by the caller
