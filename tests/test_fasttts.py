@@ -260,6 +260,13 @@ def test_bench_cells_medians_ranges_and_claims():
     assert base["verifier_cache_hit"] == pytest.approx(0.25) and base["verifier_share"] == pytest.approx(0.2)
     fast = measure([result(10, 2.0, speculation={"launched": 3}), result(30, 6.0, speculation={"launched": 2})])
     assert fast["goodput"] == pytest.approx(5.0) and fast["speculation"] == {"launched": 5}
+    # straggler tails: Σ idle slot-s over Σ k·span of every iteration; S's held slot-s against the idle ones
+    tails = result(10, 2.0, speculation={"slot_s": 1.5})
+    tails.extra["straggler_tails"] = [{"requests": 4, "span_s": 1.0, "idle_slot_s": 1.0},
+                                      {"requests": 2, "span_s": 2.0, "idle_slot_s": 2.0}]
+    tailed = measure([tails, result(10, 2.0)])
+    assert tailed["tail_idle_slot_s"] == pytest.approx(3.0) and tailed["tail_idle_share"] == pytest.approx(3 / 8)
+    assert tailed["tail_filled_by_s"] == pytest.approx(0.5)
     # medians, and a claim only where the ranges do not overlap
     assert compare([5.0, 6.0, 4.0], [2.0, 2.5, 1.5], lower_is_better=False) == (pytest.approx(2.5), True)
     assert compare([5.0, 6.0, 2.0], [2.0, 2.5, 1.5], lower_is_better=False)[1] is False, "overlapping ranges"

@@ -25,7 +25,7 @@ from policies.speculative import TruncationSampler
 from sgl_tts.frontend.backend import SearchBackend
 from sgl_tts.fasttts.switches import FastTTSConfig, from_label
 from sgl_tts.search.programs import load_program
-from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig
+from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig, straggler_tail
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.grading import extract_answer
 from sgl_tts.fasttts.speculation import (Branch, SpeculationClient, assign_head_starts, extension_factory,
@@ -181,6 +181,15 @@ def test_with_s_on_the_verifier_receives_exactly_the_steps_it_receives_with_s_of
     assert candidates(spec) == candidates(plain)
     assert spec.answer == plain.answer
     assert "speculation" not in plain.extra
+    tails = [len(result.extra["straggler_tails"]) for result in (plain, spec)]
+    assert tails[0] == tails[1] > 1, "a straggler tail per iteration, S or not"
+
+
+def test_a_straggler_tail_counts_each_slot_idle_from_its_answer_to_the_last():
+    tail = straggler_tail(10.0, [11.0, 13.0, 12.0])  # the last answer at 13: slots idle 2 s, 0 s, 1 s
+    assert tail == {"requests": 3, "span_s": 3.0, "idle_slot_s": 3.0, "idle_share": pytest.approx(1 / 3)}
+    assert straggler_tail(0.0, [5.0, 5.0])["idle_slot_s"] == 0.0, "no stragglers, no tail"
+    assert straggler_tail(0.0, [0.0])["idle_share"] == 0.0, "an empty span has no share"
 
 
 def test_whole_speculative_steps_become_steps_without_generation_and_the_search_is_unchanged():
@@ -243,6 +252,15 @@ def test_speculation_fills_only_free_slots_and_is_aborted_when_the_last_standard
     assert 1 < len(iterations) <= max(decode_rid(e["rid"]).iteration for e in backend.entries("standard")) + 1
     for key in ("launched", "polls", "idle_slot_polls", "tokens_used", "tokens_discarded"):
         assert sum(it[key] for it in iterations) == stats[key], f"the iterations' {key} add up"
+    # S's slot-time: each request is timed around the call that holds the backend's own start..end window
+    assert stats["slot_s"] >= sum(e["end"] - e["start"] for e in speculative) > 0
+    assert sum(it["slot_s"] for it in iterations) == pytest.approx(stats["slot_s"])
+    # one straggler tail per iteration, over the iteration's standard requests (a LookAhead step sends none)
+    tails = result.extra["straggler_tails"]
+    assert len(tails) == len(iterations)
+    assert [t["requests"] for t in tails] == [len(standard[i]) for i in sorted(standard)]
+    assert all(0 <= t["idle_share"] < 1 and t["idle_slot_s"] >= 0 for t in tails)
+    assert any(t["idle_slot_s"] > 0 for t in tails), "stragglers leave idle slots"
 
 
 def test_an_engine_without_idle_slots_counts_polls_but_launches_nothing():

@@ -14,7 +14,9 @@ Reported per cell: the median with min-max over repeats of the mean precise good
 latency, the verifier's share of time and its cache hit, planned (`memory_plan.planned_verifier_hit` of the
 verifier's KV tokens) and measured (Σ cached / Σ input tokens of the scorer's calls, from each result's
 `verifier_iterations`), the generator runtime's evicted tokens and retracted requests (its Prometheus
-counters), and S's polls with an idle engine slot, launches, and head-start tokens used and discarded. A ratio
+counters), the straggler tails' idle share of the iterations' slot-time and how much of it S's requests held
+(`search.api.straggler_tail`, `SpeculationStats.slot_s`), and S's polls with an idle engine slot, launches, and
+head-start tokens used and discarded. A ratio
 to the baseline is marked `*` only where the ranges do not overlap: only those are claimed as speed-ups.
 Runtimes are kept alive between cells that want the same settings (at most `--live-sessions` sets at once);
 a runtime's radix cache is flushed before every cell, and a new runtime is warmed up by a short search.
@@ -96,6 +98,9 @@ def measure(results: list[Any], server: dict[str, float] | None = None, plan: di
             speculation[key] = speculation.get(key, 0) + value
     calls = [call for result in results for call in result.extra.get("verifier_iterations", [])]
     read, cached = sum(c["input_tokens"] for c in calls), sum(c["cached_tokens"] for c in calls)
+    tails = [tail for result in results for tail in result.extra.get("straggler_tails", [])]
+    tail_idle = sum(t["idle_slot_s"] for t in tails)
+    slot_time = sum(t["requests"] * t["span_s"] for t in tails)
     return {
         **(plan or {}),
         "problems": summary["problems"],
@@ -108,6 +113,11 @@ def measure(results: list[Any], server: dict[str, float] | None = None, plan: di
         "cache_hit_rate": summary["cache_hit_rate"] or 0.0,
         "generated_tokens": summary["generated_tokens"],
         "speculation": speculation,
+        # the iterations' straggler tails (search.api.straggler_tail): idle slot-seconds, their share of the
+        # iterations' slot-time, and the share of them S's requests held (> 1: S ran past the tail's slots)
+        "tail_idle_slot_s": tail_idle,
+        "tail_idle_share": tail_idle / slot_time if slot_time else 0.0,
+        "tail_filled_by_s": speculation.get("slot_s", 0.0) / tail_idle if tail_idle else 0.0,
         **(server or {name: 0.0 for name in SERVER_COUNTERS}),
     }
 
@@ -128,7 +138,8 @@ Cell = tuple[str, int, float, str]  # (program, n, budget fraction, arm)
 TABLE_COLUMNS = (Column("program", 20, "<"), Column("n", 3), Column("frac", 4), Column("arm", 7, "<"),
                  Column("goodput tok/s", 20), Column("x base", 7), Column("p50 latency s", 20), Column("x base", 7),
                  Column("ver share", 9), Column("ver hit plan/meas", 17), Column("KV gen/ver tok", 14),
-                 Column("evicted", 8), Column("retract", 7), Column("S idle/polls launched", 21),
+                 Column("evicted", 8), Column("retract", 7), Column("tail idle share/S fill", 22),
+                 Column("S idle/polls launched", 21),
                  Column("S tok used/discarded", 20))
 
 
@@ -173,6 +184,9 @@ def table_rows(cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns:
                         f"{_median(runs, lambda r: r.get('kv_verifier_tokens')):.0f}",
                         f"{_median(runs, lambda r: r['evicted_tokens']):.0f}",
                         f"{_median(runs, lambda r: r['retracted']):.0f}",
+                        f"{_median(runs, lambda r: r.get('tail_idle_share')):.2f}/"
+                        + (f"{_median(runs, lambda r: r.get('tail_filled_by_s')):.2f}" if runs[0]["speculation"]
+                           else "-"),
                         f"{spec('idle_slot_polls'):.0f}/{spec('polls'):.0f} {spec('launched'):.0f}"
                         if runs[0]["speculation"] else "-",
                         f"{spec('tokens_used'):.0f}/{spec('tokens_discarded'):.0f}" if runs[0]["speculation"] else "-"])

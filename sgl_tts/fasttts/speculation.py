@@ -206,11 +206,12 @@ class SpeculationStats:
     tokens_used: int = 0  # speculative tokens a child kept: its branch's original copy's head start
     tokens_discarded: int = 0  # speculative tokens no child kept: pruned or ended beams, surplus, truncation
     tokens_pending: int = 0  # speculative tokens of the last iteration's branches, not yet used or discarded
+    slot_s: float = 0.0  # slot-seconds speculative requests held in the engine, launch to answer (the tail S fills)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
 
-    def since(self, before: dict[str, int]) -> dict[str, int]:
+    def since(self, before: dict[str, float]) -> dict[str, float]:
         """What changed since `before` (an `as_dict`): one iteration's counts."""
         return {key: value - before.get(key, 0) for key, value in self.as_dict().items()}
 
@@ -237,6 +238,7 @@ class _Round:
     finished: list[int] = field(default_factory=list)  # slots done with their step and still active, in order
     in_flight: dict[str, tuple[int, Future]] = field(default_factory=dict)  # rid -> (slot, speculative request)
     launch_order: dict[int, int] = field(default_factory=dict)  # id(branch future) -> launch number
+    held_s: dict[str, float] = field(default_factory=dict)  # rid -> seconds from launch to answer
     launched: Counter = field(default_factory=Counter)  # slot -> speculative branches launched
     branches: dict[int, list[Branch]] = field(default_factory=lambda: defaultdict(list))
 
@@ -380,10 +382,19 @@ class SpeculativeExtension:
             state.launched[slot] += 1
             sampling = {"max_new_tokens": step_budget(child, config), "stop": [config.step_delimiter],
                         "temperature": config.temperature, "top_p": config.top_p}
-            future = state.pool.submit(self.client.speculate, child.state.text(), sampling, fields)
+            future = state.pool.submit(self._speculate_timed, state, child.state.text(), sampling, fields)
             state.in_flight[fields["rid"]] = (slot, future)
             state.launch_order[id(future)] = self.stats.launched
             self.stats.launched += 1
+
+    def _speculate_timed(self, state: _Round, text: str, sampling: dict[str, Any],
+                         fields: dict[str, Any]) -> tuple[str, dict]:
+        """`client.speculate`, its time in the engine kept in `state.held_s` before its future is done."""
+        began = time.monotonic()
+        try:
+            return self.client.speculate(text, sampling, fields)
+        finally:
+            state.held_s[fields["rid"]] = time.monotonic() - began
 
     def _collect_speculative(self, state: _Round, config: SearchConfig, wait: bool = False) -> None:
         """Turn finished speculative requests into branches; with `wait`, wait for every one (after the
@@ -394,6 +405,7 @@ class SpeculativeExtension:
             if not future.done():
                 continue
             del state.in_flight[rid]
+            self.stats.slot_s += state.held_s.pop(rid, 0.0)  # 0 for a request cancelled before it ran
             branch = self._branch(future, config)
             if branch is not None:
                 branch.launched = state.launch_order[id(future)]

@@ -175,6 +175,7 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     if not parents:
         return []
     began = time.monotonic()
+    answered_before = len(tracker.ledger.answered_requests())
     for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
         bind_search(parent.state, tracker)
     extension = tracker.extension
@@ -184,7 +185,22 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
     tracker.generator_time_s += time.monotonic() - began
     tracker.iterations += 1
+    answered = [r.answered_at for r in tracker.ledger.answered_requests()[answered_before:]]
+    if answered:
+        tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))
     return children
+
+
+def straggler_tail(began: float, answered_at: Sequence[float]) -> dict[str, float]:
+    """One iteration's straggler tail (FastTTS §3, the idle slots S fills): its k step requests started
+    together at `began` and were answered at t_1 … t_k; the last answer T = max t_i ends the iteration. Each
+    request's slot stands idle from its answer to T, so the tail holds idle_slot_s = Σ_i (T − t_i) slot-seconds
+    out of k · (T − began): `idle_share` is that fraction of the iteration's slot-time."""
+    last = max(answered_at)
+    span = last - began
+    idle = sum(last - t for t in answered_at)
+    return {"requests": len(answered_at), "span_s": span, "idle_slot_s": idle,
+            "idle_share": idle / (len(answered_at) * span) if span > 0 else 0.0}
 
 
 def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
