@@ -153,8 +153,10 @@ class FakeRuntime:
     def check_alive(self):
         pass
 
-    def generate(self, payload: dict) -> list[dict]:
+    def generate(self, payload: dict) -> list[dict] | dict:
         self.requests.append(payload)
+        if "logprob_start_len" not in payload:  # the prompt alone, to be cached (ProbeScorer._cache_prompt)
+            return {"meta_info": {"prompt_tokens": len(payload["input_ids"]), "cached_tokens": 0}}
         answers = []
         for ids, start in zip(payload["input_ids"], payload["logprob_start_len"]):
             with torch.no_grad():
@@ -194,6 +196,30 @@ def test_scorer_reads_each_step_once_and_matches_the_reference(checkpoint, base_
     assert empty == [pytest.approx(expected[0][0], abs=TOLERANCE)] * 2
 
 
+def test_paths_read_from_their_start_together_are_sent_after_their_prompt_alone(checkpoint, tokenizer, monkeypatch):
+    from sgl_tts.frontend.backend import chat_prompt
+
+    runtime = FakeRuntime(checkpoint)
+    monkeypatch.setattr("sgl_tts.scoring.probe.http_json", lambda url, payload, timeout: runtime.generate(payload))
+    scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+    solution = SOLUTIONS[0]
+    prompt = chat_prompt(tokenizer, solution.problem)
+    steps = solution.search_steps()
+    alone = [scorer.score(prompt, [steps[:k]])[0] for k in (1, 2)]  # one path: nothing to share, no prompt request
+    assert all("logprob_start_len" in r for r in runtime.requests)
+    runtime.requests.clear()
+    fresh = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+    counted = fresh.score_counted(prompt, [steps[:1], steps[:2]])
+    assert counted.scores == [pytest.approx(a, abs=1e-9) for a in alone], "the scores do not change"
+    prompt_request, batch = runtime.requests
+    assert prompt_request["input_ids"] == step_spans(tokenizer, prompt, [])[0], "the prompt's own ids first"
+    assert len(batch["input_ids"]) == 2 and counted.counts.requests == 3
+    assert counted.counts.input_tokens == len(prompt_request["input_ids"]) + sum(map(len, batch["input_ids"]))
+    runtime.requests.clear()
+    fresh.score(prompt, [steps[:3], steps[:3] + [" and on"]])  # both paths extend scored ones: no prompt request
+    assert len(runtime.requests) == 1
+
+
 def test_scorer_refuses_a_model_without_probe_file(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=PROBE_FILE):
         ProbeScorer(ScorerConfig(kind="probe"), SimpleNamespace(model_path=str(tmp_path), name="x", url="u"),
@@ -219,6 +245,19 @@ def test_sglang_serves_the_probe_like_the_reference_with_radix_reuse(checkpoint,
         assert full == [pytest.approx(e, abs=TOLERANCE) for e in expected]
         assert [f[:1] for f in full] == first
         assert scorer.tokens_cached - cached_before > 0, "the extended paths should reuse the cached prefix"
+        # Paths of a new prompt scored together: with the prompt sent alone first, every path finds it cached;
+        # sent in one batch without it, the paths are scheduled together and each computes the prompt again.
+        batch = [[f"Path {k}: " + SOLUTIONS[0].search_steps()[0]] for k in range(4)]
+        uncached = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
+        uncached._cache_prompt = lambda prompt, counts: None
+        together = uncached.score_counted("Solve it once more: " + prompts[0], batch).counts
+        warmed = scorer.score_counted("And solve it again: " + prompts[0], batch).counts
+        question = len(step_spans(tokenizer, "And solve it again: " + prompts[0], [])[0])
+        assert warmed.requests == together.requests + 1 == 5
+        assert warmed.cached_tokens >= 4 * (question - 1), (warmed, question)
+        assert together.cached_tokens < warmed.cached_tokens, (together, warmed)
+        print(f"4 paths of a new {question}-token prompt: cached {together.cached_tokens} of "
+              f"{together.input_tokens} in one batch, {warmed.cached_tokens} of {warmed.input_tokens} after it alone")
         mean_scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
         mean_scorer.pooling = "mean"
         expected_mean = reference_scores(base_dir, random_head(1, "mean"), tmp_path / "features")
