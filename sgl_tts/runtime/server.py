@@ -37,6 +37,15 @@ class RuntimeStartError(RuntimeError):
     """A runtime did not become ready; the message carries the tail of its log."""
 
 
+class PortTakenError(RuntimeStartError):
+    """The server could not bind its port: another process took it between `free_port` and the server's bind
+    (SGLang's own servers pick internal ports too). The server does not exit then: it hangs in shutdown."""
+
+
+PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's message, in the server's log
+START_ATTEMPTS = 3  # starts on a fresh free port after PortTakenError (not for a port the config fixes)
+
+
 class RuntimeDiedError(RuntimeError):
     """A runtime stopped answering while a search was using it."""
 
@@ -258,15 +267,23 @@ class Runtime:
     def start(cls, config: RuntimeConfig, name: str = "generator", log_dir: str | Path | None = None,
               wait: bool = True) -> "Runtime":
         model_path = resolve_model(config.model)
-        port = config.port or free_port(config.host)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl-tts-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"{name}-{port}.log"
-        process = spawn_group(server_command(config, model_path, port), log_path, server_env(config))
-        runtime = cls(name, config, model_path, port, process, log_path)
-        if wait:
-            runtime.wait_ready()
-        return runtime
+        attempt = 1
+        while True:
+            port = config.port or free_port(config.host)
+            log_path = log_dir / f"{name}-{port}.log"
+            process = spawn_group(server_command(config, model_path, port), log_path, server_env(config))
+            runtime = cls(name, config, model_path, port, process, log_path)
+            if not wait:
+                return runtime
+            try:
+                runtime.wait_ready()
+                return runtime
+            except PortTakenError:
+                if config.port or attempt == START_ATTEMPTS:
+                    raise
+                attempt += 1
 
     @property
     def worker_urls(self) -> list[str]:
@@ -292,6 +309,10 @@ class Runtime:
                     f"runtime '{self.name}' ({self.model_path}) exited with code {self.process.returncode} "
                     f"during start-up; log {self.log_path}:\n{self.log_tail()}"
                 )
+            if self._port_taken():
+                self.stop()
+                raise PortTakenError(f"runtime '{self.name}' could not bind port {self.port}, which another "
+                                     f"process holds; log {self.log_path}:\n{self.log_tail(5)}")
             try:
                 self.model_info = http_json(self.url + "/get_model_info", timeout=5)
                 if self.config.is_embedding:
@@ -307,6 +328,12 @@ class Runtime:
             f"runtime '{self.name}' ({self.model_path}) was not ready after {self.config.startup_timeout_s:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _port_taken(self) -> bool:
+        try:
+            return PORT_TAKEN in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
 
     def check_alive(self) -> None:
         if not self.alive():
