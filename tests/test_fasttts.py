@@ -320,3 +320,34 @@ def test_each_n_runs_at_a_fraction_of_its_working_set():
     assert small["raised_to_floors"] and small["budget_mib"] == pytest.approx(2 * 176 * KV_FP32 / MIB)
     with pytest.raises(ValueError, match="positive"):
         cell_budget(16, 0.0, 4, 80, 72, 24, kv)
+
+
+def test_a_bench_stopped_by_an_error_keeps_the_cells_it_measured(monkeypatch, tmp_path, capsys):
+    """A runtime that fails mid-way (a start-up error, a crash) loses no measured cell: the table of what was
+    measured is printed and written, marked partial, and the error still ends the run."""
+    import json
+
+    from sgl_tts.bench import fasttts
+
+    row = {"goodput": 1.0, "p50_latency_s": 2.0, "verifier_share": 0.1, "verifier_cache_hit": 0.5,
+           "evicted_tokens": 0.0, "retracted": 0.0, "speculation": {}, "planned_verifier_hit": 0.7,
+           "errors": 0}
+    calls = []
+
+    def run_cell(pool, config, problems, describe):
+        calls.append(config.fasttts)
+        if len(calls) == 3:
+            raise RuntimeError("runtime 'verifier' was not ready")
+        return dict(row)
+
+    monkeypatch.setattr(fasttts, "run_cell", run_cell)
+    options = fasttts.BenchOptions(programs="beam_search", ns="16", arms="baseline,P", repeats=2, problems=1,
+                                   out=str(tmp_path))
+    with pytest.raises(RuntimeError, match="not ready"):
+        fasttts.run_bench(options)
+    printed = capsys.readouterr().out
+    assert "stopped by an error" in printed and "PARTIAL" in printed
+    written = json.loads((tmp_path / "bench-fasttts.json").read_text())
+    assert written["partial"] is True
+    assert sorted((c["arm"], len(c["runs"])) for c in written["cells"]) == [("P", 1), ("baseline", 1)]
+    assert "PARTIAL" in (tmp_path / "bench-fasttts.md").read_text()

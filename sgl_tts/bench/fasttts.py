@@ -324,7 +324,6 @@ def resolved(options: BenchOptions) -> tuple[BenchOptions, list[str], list[int],
 def run_bench(options: BenchOptions) -> int:
     from sgl_tts.app.session import SessionPool
     from sgl_tts.fasttts.switches import describe_settings, from_label
-    from sgl_tts.measure.tables import markdown_table
     from sgl_tts.problems import load_problems
     from sgl_tts.runtime.memory_plan import model_spec_for
 
@@ -375,18 +374,34 @@ def run_bench(options: BenchOptions) -> int:
                                   f"evicted {row['evicted_tokens']:.0f}, retracted {row['retracted']:.0f}, "
                                   f"errors {row['errors']}"
                                   + (f", speculation {row['speculation']}" if row["speculation"] else ""), flush=True)
+    except BaseException:
+        if cells:  # what was measured before the failure is kept: printed, and written with --out
+            print("\nbench fasttts stopped by an error; the cells measured so far:", flush=True)
+            report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, began, partial=True)
+        raise
     finally:
         pool.close()
+    report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, began)
+    return 0
+
+
+def report(options: BenchOptions, cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int],
+           fractions: list[float], arms: list[FastTTSArm], repeats: int, budgets: dict[tuple[int, float], Any],
+           protocol: str, began: float, partial: bool = False) -> None:
+    """Print the table and, with `--out`, write the JSON, the Markdown table and the plots (`partial`: of the
+    cells measured before a failure)."""
+    from sgl_tts.measure.tables import markdown_table
+
     labels = [a.label for a in arms]
     rows = table_rows(cells, programs, ns, fractions, labels)
     print(f"\nFastTTS, {protocol}; {repeats} interleaved repeats per cell ({time.monotonic() - began:.0f} s in "
-          f"all); median [min-max]; * = ranges do not overlap the baseline's")
+          f"all); median [min-max]; * = ranges do not overlap the baseline's" + ("; PARTIAL" if partial else ""))
     print(console_table(TABLE_COLUMNS, rows))
     if options.out:
         out = Path(options.out)
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "bench-fasttts.json", json.dumps(
-            {"protocol": protocol, "concurrency": options.concurrency,
+            {"protocol": protocol, "concurrency": options.concurrency, "partial": partial,
              "budget_rule": (f"fixed {options.kv_budget_mib:g} MiB" if options.kv_budget_mib is not None
                              else f"fractions {fractions} of the working set"),
              "budgets": [{"n": n, "fraction": f, **b} for (n, f), b in budgets.items()],
@@ -395,11 +410,11 @@ def run_bench(options: BenchOptions) -> int:
                        for (p, n, f, a), runs in cells.items()]},
             indent=1, default=str))
         write_atomic(out / "bench-fasttts.md",
-            f"Protocol: {protocol}; {repeats} interleaved repeats; median [min-max]; * = ranges separate.\n\n"
+            f"Protocol: {protocol}; {repeats} interleaved repeats; median [min-max]; * = ranges separate."
+            + (" PARTIAL: the run stopped on an error." if partial else "") + "\n\n"
             + markdown_table([c.title for c in TABLE_COLUMNS], rows) + "\n")
         plot(cells, programs, ns, fractions, labels, out / "bench-fasttts.png")
         print(f"wrote {out / 'bench-fasttts.json'}, {out / 'bench-fasttts.md'} and {out / 'bench-fasttts.png'}")
-    return 0
 
 
 def cell_plan(settings: Any, search: Any, prompt_tokens: int, searches: int) -> dict[str, Any]:
