@@ -46,7 +46,8 @@ def test_bench_tables():
     def cell(goodput, latency, speculation=None):
         return {"goodput": goodput, "p50_latency_s": latency, "verifier_share": 0.25, "verifier_cache_hit": 0.5,
                 "planned_verifier_hit": 0.6, "kv_generator_tokens": 900, "kv_verifier_tokens": 450,
-                "evicted_tokens": 12.0, "retracted": 1.0, "speculation": speculation or {}}
+                "evicted_tokens": 12.0, "retracted": 1.0, "speculation": speculation or {}, "tail_idle_share": 0.3,
+                "tail_filled_by_s": 0.2}
 
     spec = {"polls": 40, "idle_slot_polls": 30, "launched": 9, "tokens_used": 50, "tokens_discarded": 20}
     cells = {("beam_search", 8, 0.5, "baseline"): [cell(2.0, 10.0), cell(2.5, 12.0), cell(1.5, 11.0)],
@@ -69,10 +70,10 @@ def test_bench_tables():
              "incremental": [[call(10, 0, 2, 4.0), call(8, 5, 3, 3.0), call(9, 6, 3, 2.0)]]}
     tables["verifier"] = verifier_table(calls)
     assert tables["fasttts"] == (
-        "program                n frac arm            goodput tok/s  x base        p50 latency s  x base ver share ver hit plan/meas KV gen/ver tok  evicted retract S idle/polls launched S tok used/discarded\n"
-        "beam_search            8  0.5 baseline   2.000 [ 1.50- 2.50]  1.00x     11.0 [ 10.0- 12.0]  1.00x       0.25         0.60/0.50        900/450       12       1                     -                    -\n"
-        "beam_search            8  0.5 all       5.000 [ 4.00- 6.00]  2.50x*     4.0 [  3.0-  5.0]  0.36x*      0.25         0.60/0.50        900/450       12       1               30/40 9                50/20\n"
-        "dvts                  16  0.5 all     123.456 [123.46-123.46]   nanx   1234.5 [1234.5-1234.5]   nanx       0.25         0.60/0.50        900/450       12       1               30/40 9                50/20"
+        "program                n frac arm            goodput tok/s  x base        p50 latency s  x base ver share ver hit plan/meas KV gen/ver tok  evicted retract tail idle share/S fill S idle/polls launched S tok used/discarded\n"
+        "beam_search            8  0.5 baseline   2.000 [ 1.50- 2.50]  1.00x     11.0 [ 10.0- 12.0]  1.00x       0.25         0.60/0.50        900/450       12       1                 0.30/-                     -                    -\n"
+        "beam_search            8  0.5 all       5.000 [ 4.00- 6.00]  2.50x*     4.0 [  3.0-  5.0]  0.36x*      0.25         0.60/0.50        900/450       12       1              0.30/0.20               30/40 9                50/20\n"
+        "dvts                  16  0.5 all     123.456 [123.46-123.46]   nanx   1234.5 [1234.5-1234.5]   nanx       0.25         0.60/0.50        900/450       12       1              0.30/0.20               30/40 9                50/20"
     )
     assert tables["serve"] == (
         "replicas arm                    requests/s                 tokens/s                p50 s                p99 s errors  ratio\n"
