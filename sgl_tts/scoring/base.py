@@ -17,7 +17,7 @@ import threading
 from abc import ABC
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from sgl_tts.registry import Registry
 
@@ -196,6 +196,10 @@ class StepScorer(ABC):
         """Scores of steps first_new[i]: of each path i, the earlier steps being known; report every
         runtime request with `self._count(input_tokens, cached_tokens, counts)`."""
         raise NotImplementedError(f"{type(self).__name__} must implement score_new_steps (or override score)")
+
+    def _count_answer(self, meta: dict[str, Any], sent_tokens: int, counts: ScoreCounts | None = None) -> None:
+        """`_count` one runtime answer from its SGLang `meta_info` (`sent_tokens` when it reports no prompt tokens)."""
+        self._count(int(meta.get("prompt_tokens", sent_tokens)), int(meta.get("cached_tokens") or 0), counts)
 
     def _count(self, tokens: int, cached: int = 0, counts: ScoreCounts | None = None) -> None:
         with self._lock:

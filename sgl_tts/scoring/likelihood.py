@@ -56,7 +56,7 @@ class LikelihoodScorer(StepScorer):
         # input_token_logprobs[j] is (logprob, token_id, _) of token offset+j; entry 0 may be None (its
         # predecessor is not recomputed) and belongs to the step before, so every new step token has one.
         logprobs = [entry[0] for entry in meta["input_token_logprobs"]]
-        self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
+        self._count_answer(meta, len(ids), counts)
         scores = []
         bounds = list(starts) + [len(ids)]
         for i in range(first_new, len(steps)):

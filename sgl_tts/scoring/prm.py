@@ -132,7 +132,7 @@ class LogprobTagScorer(_RuntimePRM):
         out = []
         for (ids, positions), first, start, answer in zip(requests, first_new, starts, answers, strict=True):
             meta = answer["meta_info"]
-            self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
+            self._count_answer(meta, len(ids), counts)
             scores = []
             for position in positions[first:]:
                 if position + 1 < len(ids):

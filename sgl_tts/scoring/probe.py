@@ -200,7 +200,7 @@ class ProbeScorer(StepScorer):
         ids = step_spans(self.tokenizer, prompt, [])[0]
         answer = self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
         meta = answer["meta_info"]
-        self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
+        self._count_answer(meta, len(ids), counts)
 
     def _generate(self, payload: dict[str, Any]) -> Any:
         try:
@@ -224,7 +224,7 @@ class ProbeScorer(StepScorer):
         out = []
         for (_, ids, spans, first), start, answer in zip(requests, starts, answers, strict=True):
             meta = answer["meta_info"]
-            self._count(int(meta.get("prompt_tokens", len(ids))), int(meta.get("cached_tokens") or 0), counts)
+            self._count_answer(meta, len(ids), counts)
             scores = []
             for span in spans[first:]:
                 # The distribution at position p is input entry p + 1 - start (entry j predicts token
