@@ -322,6 +322,20 @@ def test_each_n_runs_at_a_fraction_of_its_working_set():
         cell_budget(16, 0.0, 4, 80, 72, 24, kv)
 
 
+def test_the_bench_plans_for_the_longest_prompt_in_the_generators_format():
+    from sgl_tts.bench.fasttts import longest_prompt_tokens
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT
+
+    class WordTokenizer:  # no chat template: chat_prompt's plain format, one token per word
+        def encode(self, text, add_special_tokens=True):
+            return text.split()
+
+    problems = [Problem("a", "What is 2 + 3?", "5"), Problem("b", "Tom has 4 apples and eats 1. How many left?", "3"),
+                Problem("c", "1 + 1?", "2")]
+    frame = len(f"{SYSTEM_PROMPT}\n\nQuestion: \n\nAnswer:\n".split())
+    assert longest_prompt_tokens(problems, None, WordTokenizer()) == frame + 10, "the longest, with its frame"
+
+
 def test_a_bench_stopped_by_an_error_keeps_the_cells_it_measured(monkeypatch, tmp_path, capsys):
     """A runtime that fails mid-way (a start-up error, a crash) loses no measured cell: the table of what was
     measured is printed and written, marked partial, and the error still ends the run."""
@@ -342,7 +356,7 @@ def test_a_bench_stopped_by_an_error_keeps_the_cells_it_measured(monkeypatch, tm
 
     monkeypatch.setattr(fasttts, "run_cell", run_cell)
     options = fasttts.BenchOptions(programs="beam_search", ns="16", arms="baseline,P", repeats=2, problems=1,
-                                   out=str(tmp_path))
+                                   prompt_tokens=80, out=str(tmp_path))
     with pytest.raises(RuntimeError, match="not ready"):
         fasttts.run_bench(options)
     printed = capsys.readouterr().out

@@ -13,7 +13,7 @@ from sgl_tts.config import ConfigError
 from sgl_tts.fasttts.switches import FastTTSConfig, configure_runtimes, describe_settings, from_label
 from sgl_tts.runtime import hardware
 from sgl_tts.runtime.hardware import GIB, HARDWARE, THIS_MACHINE, Hardware, plan_hardware, profile_for_device
-from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, kv_budget, longest_request_tokens, plan_memory,
+from sgl_tts.runtime.memory_plan import (DEVICE_UTILIZATION, NEAR_TIE, kv_budget, longest_request_tokens, plan_memory,
                                          split_budget, start_order_safe_fractions)
 from sgl_tts.runtime.roofline import Workload, load_model_spec
 from sgl_tts.runtime.server import RuntimeConfig
@@ -209,13 +209,15 @@ def split_cost(budget_tokens, w_gen, w_ver, n=16, verifier="smollm2-135m"):
 
 
 def brute_force_best(cost, floor):
-    """Every verifier share in the same bounds, the first of the smallest times."""
+    """Every verifier share in the same bounds: (the first within NEAR_TIE of the smallest time, that time)."""
     import numpy as np
+
+    from sgl_tts.runtime.memory_plan import NEAR_TIE
 
     lo, hi = cost.bounds(floor)
     shares = np.arange(lo, hi + 1)
     times = cost(shares)
-    return int(shares[np.argmin(times)]), float(times.min())
+    return int(shares[np.argmax(times <= times.min() * (1 + NEAR_TIE))]), float(times.min())
 
 
 def test_a_budget_that_holds_both_working_sets_gives_each_at_least_its_own():
@@ -223,24 +225,50 @@ def test_a_budget_that_holds_both_working_sets_gives_each_at_least_its_own():
         cost = split_cost(budget, w_gen, w_ver)
         verifier = cost.best(floor=140)
         assert verifier >= w_ver and cost.generator_tokens(verifier) >= w_gen, (budget, verifier)
-        assert float(cost(verifier)) <= brute_force_best(cost, 140)[1] * (1 + 1e-9)
+        assert float(cost(verifier)) <= brute_force_best(cost, 140)[1] * (1 + NEAR_TIE)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_under_a_tight_budget_the_split_is_the_cost_models_optimum(seed):
     """Random tight budgets (below the two working sets), models and n: the candidate search finds the same
-    minimum as trying every split; the verifier never gets less than min(W_ver, M − the generator's minimum)."""
+    minimum as trying every split, up to NEAR_TIE, and never a near-tie at a larger v than trying every split
+    does; the verifier never gets less than min(W_ver, M − the generator's minimum)."""
     rng = random.Random(seed)
     n = rng.choice([4, 16, 64])
     w_gen, w_ver = rng.randint(600, 3000), rng.randint(300, 3000)
     budget = rng.randint(2 * 160 + 10, w_gen + w_ver - 1)
     cost = split_cost(budget, w_gen, w_ver, n, rng.choice(["smollm2-135m", "qwen2.5-math-1.5b"]))
     verifier = cost.best(floor=160)
-    _, best_time = brute_force_best(cost, 160)
-    assert float(cost(verifier)) <= best_time * (1 + 1e-9), (verifier, best)  # equal times may sit at other v
+    first_near_tie, best_time = brute_force_best(cost, 160)
+    assert float(cost(verifier)) <= best_time * (1 + NEAR_TIE), verifier
+    assert verifier >= first_near_tie  # the candidates are kinks: the first near-tie may sit inside a segment
     lo, _ = cost.bounds(160)
     beside = int((cost.budget - cost.generator_minimum(160) * cost.kv_gen) // cost.kv_ver)
     assert verifier >= lo == max(160, min(w_ver, beside))
+
+
+def test_a_near_tie_goes_to_the_generator():
+    """n = 256 on a 2-core CPU profile, a budget of half both working sets, the probe verifier (SmolLM2 cut after
+    18 layers): the modelled optimum gives the verifier 7,728 tokens, 0.4% faster on paper than the generator's
+    proportional share, and would leave the generator 30% of its working set (measured: 38 retractions). The
+    plan takes the near-tie at the bound instead."""
+    import numpy as np
+
+    from sgl_tts.runtime.memory_plan import SplitCost, plan_workload, search_working_sets
+    from sgl_tts.runtime.roofline import StepCosts
+
+    gen = load_model_spec("smollm2-135m", "float32")
+    ver = dataclasses.replace(gen, num_layers=18, weight_bytes=481296384.0, matmul_params=92012544.0)
+    cpu = Hardware("two-cores", 1.0e11, 1.2e10, 25e9, 1.2e10)
+    sets = search_working_sets(256, 4, 80, 72, 24)
+    budget = 0.5 * (sets["generator"] * gen.kv_bytes_per_token + sets["verifier"] * ver.kv_bytes_per_token)
+    cost = SplitCost(StepCosts(gen, ver, cpu, plan_workload(256, 80, 72, 24)), gen, ver, cpu, budget, sets)
+    lo, hi = cost.bounds(176)
+    shares = np.arange(lo, hi + 1)
+    exact = int(shares[np.argmin(cost(shares))])
+    assert exact > lo and float(cost(lo)) <= float(cost(exact)) * (1 + NEAR_TIE), "the case is a near-tie"
+    assert cost.best(176) == lo
+    assert cost.generator_tokens(lo) > cost.generator_tokens(exact) + 1000
 
 
 def test_evicting_part_of_a_working_set_costs_its_re_prefill():

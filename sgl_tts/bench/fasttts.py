@@ -276,7 +276,7 @@ class BenchOptions:
     step_delimiter: str = "\\n"  # escapes allowed
     kv_budget_mib: float | None = None  # a fixed budget instead of the fractions of the working set
     hardware: str = "this-machine"
-    prompt_tokens: int = 80
+    prompt_tokens: int | None = None  # None: the longest prompt of the bench's problems (`longest_prompt_tokens`)
     max_speculative: int | None = None
     engine_batch: int | None = None  # None: from the generator's KV (memory_plan.engine_batch_for)
     live_sessions: int = 2
@@ -334,15 +334,18 @@ def run_bench(options: BenchOptions) -> int:
     kv_bytes = {"generator": model_spec_for(base.generator).kv_bytes_per_token}
     kv_bytes["verifier"] = (model_spec_for(base.scorer.runtime).kv_bytes_per_token if base.scorer.runtime
                             else kv_bytes["generator"])
+    problems = load_problems(base.dataset.name, limit=options.problems or 5, offset=base.dataset.offset)
+    if options.prompt_tokens is None:
+        options = dataclasses.replace(options, prompt_tokens=longest_prompt_tokens(problems, base.generator))
     budgets = {(n, fraction): cell_budget(n, fraction, options.beam_width, options.prompt_tokens,
                                           base.search.max_tokens, options.max_step_tokens, kv_bytes,
                                           options.concurrency)
                for n in ns for fraction in fractions}
-    problems = load_problems(base.dataset.name, limit=options.problems or 5, offset=base.dataset.offset)
     protocol = protocol_of(options, ns, fractions)
     print(f"bench fasttts ({protocol}): programs={programs} arms={[a.label for a in arms]} repeats={repeats} "
           f"problems={len(problems)} model={base.generator.model} verifier={base.scorer.kind} "
-          f"beam_width={options.beam_width} steps<={options.max_steps}x{options.max_step_tokens}", flush=True)
+          f"beam_width={options.beam_width} steps<={options.max_steps}x{options.max_step_tokens} "
+          f"prompt_tokens={options.prompt_tokens}", flush=True)
     if options.kv_budget_mib is None:
         print(format_budgets(budgets), flush=True)
     cells: dict[Cell, list[dict[str, Any]]] = {}
@@ -415,6 +418,22 @@ def report(options: BenchOptions, cells: dict[Cell, list[dict[str, Any]]], progr
             + markdown_table([c.title for c in TABLE_COLUMNS], rows) + "\n")
         plot(cells, programs, ns, fractions, labels, out / "bench-fasttts.png")
         print(f"wrote {out / 'bench-fasttts.json'}, {out / 'bench-fasttts.md'} and {out / 'bench-fasttts.png'}")
+
+
+def longest_prompt_tokens(problems: list[Any], generator: Any, tokenizer: Any = None) -> int:
+    """The tokens of the longest of `problems`' prompts as the generator receives them (its chat format,
+    `frontend.backend.chat_prompt`): what the plan's workload and the budget floors assume (`prompt_tokens`).
+    `tokenizer`: the generator's (default: loaded from its model)."""
+    from sgl_tts.frontend.backend import chat_prompt
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from sgl_tts.runtime.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(generator.model))
+    return max(len(tokenizer.encode(chat_prompt(tokenizer, problem.question), add_special_tokens=False))
+               for problem in problems)
 
 
 def cell_plan(settings: Any, search: Any, prompt_tokens: int, searches: int) -> dict[str, Any]:

@@ -81,7 +81,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help="a fixed KV budget for generator and verifier at every n, instead of "
                              "--budget-fraction of the working set")
     parser.add_argument("--hardware", default="this-machine", help="roofline profile for M")
-    parser.add_argument("--prompt-tokens", type=int, default=80, help="expected prompt length (plan, floors)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length for the plan and floors (default: the problems' longest prompt)")
     parser.add_argument("--max-speculative", type=int, default=None, help="cap on one search's speculative requests")
     parser.add_argument("--engine-batch", type=int, default=None,
                         help="speculate only while the generator runs fewer requests than this (default: the "
