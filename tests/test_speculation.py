@@ -192,6 +192,22 @@ def test_a_straggler_tail_counts_each_slot_idle_from_its_answer_to_the_last():
     assert straggler_tail(0.0, [0.0])["idle_share"] == 0.0, "an empty span has no share"
 
 
+def test_the_ledger_gives_the_requests_answered_since_a_count():
+    """What `expand` reads per iteration: the requests answered since its start, not the whole log."""
+    from sgl_tts.frontend.ledger import Request, RequestLedger
+
+    ledger = RequestLedger()
+    for index, runtime in enumerate(["gen", "ver", "gen"]):
+        ledger.record_request(Request(runtime, "q", f"old{index}", 1, float(index), 0.1), {"completion_tokens": 1})
+    count = ledger.answered_count()
+    for index, runtime in enumerate(["gen", "ver"]):
+        ledger.record_request(Request(runtime, "q", f"new{index}", 1, 9.0, 0.1), {"completion_tokens": 1})
+    assert count == 3 and ledger.answered_count() == 5
+    assert [r.output for r in ledger.answered_requests(since=count)] == ["new0", "new1"]
+    assert [r.output for r in ledger.answered_requests("gen", since=count)] == ["new0"]
+    assert [r.output for r in ledger.answered_requests("gen")] == ["old0", "old2", "new0"]
+
+
 def test_whole_speculative_steps_become_steps_without_generation_and_the_search_is_unchanged():
     plain, plain_backend, plain_scorer = run(FastTTSConfig())
     fast = from_label("S", truncation_ratio=0.0, truncation_std=0.0)

@@ -56,10 +56,15 @@ class RequestLedger:
             self.log.append(request)
         self.record(meta)
 
-    def answered_requests(self, runtime: str | None = None) -> list[Request]:
-        """The standard requests answered so far (those to `runtime` only, when given)."""
+    def answered_requests(self, runtime: str | None = None, since: int = 0) -> list[Request]:
+        """The standard requests answered so far (those to `runtime` only, when given), from the `since`-th
+        answered on (`answered_count` before a piece of work: what that work was answered)."""
         with self._lock:
-            return [r for r in self.log if runtime is None or r.runtime == runtime]
+            return [r for r in self.log[since:] if runtime is None or r.runtime == runtime]
+
+    def answered_count(self) -> int:
+        with self._lock:
+            return len(self.log)
 
     def path_of(self, text: str) -> tuple[int, float | None]:
         """(tokens generated along, time the last piece was answered) for the path whose whole text (prompt

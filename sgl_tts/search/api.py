@@ -175,7 +175,7 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     if not parents:
         return []
     began = time.monotonic()
-    answered_before = len(tracker.ledger.answered_requests())
+    answered_before = tracker.ledger.answered_count()
     for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
         bind_search(parent.state, tracker)
     extension = tracker.extension
@@ -185,7 +185,7 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
     tracker.generator_time_s += time.monotonic() - began
     tracker.iterations += 1
-    answered = [r.answered_at for r in tracker.ledger.answered_requests()[answered_before:]]
+    answered = [r.answered_at for r in tracker.ledger.answered_requests(since=answered_before)]
     if answered:
         tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))
     return children
