@@ -207,7 +207,10 @@ class FakeGenerate:
             cached = max((next((k for k, (a, b) in enumerate(zip(ids, s)) if a != b), min(len(ids), len(s)))
                           for s in self.seen), default=0)
             self.seen.append(list(ids))
-        meta = {"prompt_tokens": len(ids), "cached_tokens": min(cached, start, len(ids) - 1)}
+        meta = {"prompt_tokens": len(ids), "cached_tokens": min(cached, len(ids) - 1 if start is None else start,
+                                                                len(ids) - 1)}
+        if start is None:  # no logprobs asked: a prefill to be cached
+            return {"meta_info": meta}
         if token_ids is None:
             meta["input_token_logprobs"] = [[None if t == start else fake_logprob(ids[:t], ids[t]), ids[t], None]
                                             for t in range(start, len(ids))]
@@ -220,7 +223,7 @@ class FakeGenerate:
     def __call__(self, url, payload, timeout=None):
         with self.lock:
             self.payloads.append(payload)
-        ids, start = payload["input_ids"], payload["logprob_start_len"]
+        ids, start = payload["input_ids"], payload.get("logprob_start_len")
         token_ids = payload.get("token_ids_logprob")
         if isinstance(ids[0], list):
             return [self.one(i, s, token_ids) for i, s in zip(ids, start)]
@@ -292,12 +295,14 @@ def test_tag_prm_reads_only_the_new_steps_tags(fake_generate):
     incremental, full = FakeTagScorer(), FakeTagScorer()
     full.set_incremental(False)
     question = "what is two plus two?"
-    for paths in GROWTH:
+    for index, paths in enumerate(GROWTH):
         expected = [tag_reference(question, p) for p in paths]
         assert_close(full.score(PROMPT, paths), expected, abs=1e-12)
         fake_generate.payloads.clear()
         assert_close(incremental.score(PROMPT, paths), expected, abs=1e-12)
-        (payload,) = fake_generate.payloads
+        *prefill, payload = fake_generate.payloads
+        # the first call reads every path from its start: the question they share goes alone first
+        assert [p["input_ids"] for p in prefill] == ([[ord(c) for c in f"{question} "]] if index == 0 else [])
         # The readout of a step is its tag's position: the length of the text up to the tag, minus one.
         texts = {tuple(p): f"{question} " + "\n".join(s.strip() + "#" for s in p[:-1]) for p in paths}
         tags = [len(text) + (1 if len(p) > 1 else 0) + len(p[-1].strip()) for p, text in texts.items()]

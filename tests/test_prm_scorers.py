@@ -148,6 +148,51 @@ def test_unreachable_prm_runtime_is_a_scorer_error_naming_it(prompt, tokenizer):
     assert scorer.score(prompt, [[], []]) == [[], []], "nothing to score, no request"
 
 
+def test_shared_prefix_length_matches_a_brute_force_reference():
+    import os
+    import random
+
+    from sgl_tts.scoring.base import shared_prefix_length
+
+    rng = random.Random(5)
+    for _ in range(200):
+        stem = [rng.randrange(4) for _ in range(rng.randrange(6))]
+        lists = [stem + [rng.randrange(4) for _ in range(rng.randrange(5))] for _ in range(rng.randrange(1, 5))]
+        assert shared_prefix_length(lists) == len(os.path.commonprefix(lists)), lists
+
+
+def test_a_batch_read_from_the_start_sends_its_shared_prefix_alone_first(tokenizer, prompt):
+    """SGLang schedules a batch's requests together, so a prefix they share but the cache lacks would be computed
+    once per request: the scorer sends it alone first, and only when several requests read from their start."""
+    import os
+
+    posted = []
+
+    def post(route, payload):
+        posted.append(payload)
+        if "return_logprob" not in payload:
+            return {"meta_info": {"prompt_tokens": len(payload["input_ids"]), "cached_tokens": 0}}
+        entry = [[-0.1, scorer.positive_id, None], [-2.0, scorer.negative_id, None]]
+        return [{"meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0,
+                               "input_token_ids_logprobs": [entry] * (len(ids) - start),
+                               "output_token_ids_logprobs": [entry]}}
+                for ids, start in zip(payload["input_ids"], payload["logprob_start_len"])]
+
+    scorer = MathShepherdScorer(ScorerConfig(kind="math_shepherd"), NoRuntime(), tokenizer)
+    scorer.post = post
+    counted = scorer.score_counted(prompt, [path[:1] for path in PATHS])
+    prefill, batch = posted
+    assert prefill["input_ids"] == os.path.commonprefix(batch["input_ids"]) and prefill["input_ids"]
+    assert counted.counts.requests == 1 + len(PATHS), "the prefill is counted with the batch"
+    posted.clear()
+    scorer.score(prompt, [path[:2] for path in PATHS])  # every path known up to its new step: already cached
+    assert len(posted) == 1 and "return_logprob" in posted[0]
+    posted.clear()
+    scorer.set_incremental(True)
+    scorer.score(prompt, [PATHS[0]])  # one request has nothing to share
+    assert len(posted) == 1
+
+
 def test_classifier_scorer_wraps_the_client(monkeypatch, prompt):
     from sgl_tts.scoring.prm_models import client
     from sgl_tts.scoring.prm_models.tiny import STEP_TOKEN

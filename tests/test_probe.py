@@ -155,7 +155,7 @@ class FakeRuntime:
 
     def generate(self, payload: dict) -> list[dict] | dict:
         self.requests.append(payload)
-        if "logprob_start_len" not in payload:  # the prompt alone, to be cached (ProbeScorer._cache_prompt)
+        if "logprob_start_len" not in payload:  # the shared prefix alone, to be cached (_prefill_shared_prefix)
             return {"meta_info": {"prompt_tokens": len(payload["input_ids"]), "cached_tokens": 0}}
         answers = []
         for ids, start in zip(payload["input_ids"], payload["logprob_start_len"]):
@@ -196,7 +196,7 @@ def test_scorer_reads_each_step_once_and_matches_the_reference(checkpoint, base_
     assert empty == [pytest.approx(expected[0][0], abs=TOLERANCE)] * 2
 
 
-def test_paths_read_from_their_start_together_are_sent_after_their_prompt_alone(checkpoint, tokenizer, monkeypatch):
+def test_paths_read_from_their_start_together_are_sent_after_their_shared_prefix_alone(checkpoint, tokenizer, monkeypatch):
     from sgl_tts.frontend.backend import chat_prompt
 
     runtime = FakeRuntime(checkpoint)
@@ -212,7 +212,8 @@ def test_paths_read_from_their_start_together_are_sent_after_their_prompt_alone(
     counted = fresh.score_counted(prompt, [steps[:1], steps[:2]])
     assert counted.scores == [pytest.approx(a, abs=1e-9) for a in alone], "the scores do not change"
     prompt_request, batch = runtime.requests
-    assert prompt_request["input_ids"] == step_spans(tokenizer, prompt, [])[0], "the prompt's own ids first"
+    shared = step_spans(tokenizer, prompt, steps[:1])[0]  # the prompt and the first step: both paths start so
+    assert prompt_request["input_ids"] == shared and "logprob_start_len" not in prompt_request
     assert len(batch["input_ids"]) == 2 and counted.counts.requests == 3
     assert counted.counts.input_tokens == len(prompt_request["input_ids"]) + sum(map(len, batch["input_ids"]))
     runtime.requests.clear()
@@ -249,7 +250,7 @@ def test_sglang_serves_the_probe_like_the_reference_with_radix_reuse(checkpoint,
         # sent in one batch without it, the paths are scheduled together and each computes the prompt again.
         batch = [[f"Path {k}: " + SOLUTIONS[0].search_steps()[0]] for k in range(4)]
         uncached = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
-        uncached._cache_prompt = lambda prompt, counts: None
+        uncached._prefill_shared_prefix = lambda id_lists, first_new, generate, counts: None
         together = uncached.score_counted("Solve it once more: " + prompts[0], batch).counts
         warmed = scorer.score_counted("And solve it again: " + prompts[0], batch).counts
         question = len(step_spans(tokenizer, "And solve it again: " + prompts[0], [])[0])

@@ -116,6 +116,8 @@ class LogprobTagScorer(_RuntimePRM):
                         counts: ScoreCounts) -> list[list[float]]:
         question = self.question_of(prompt)
         requests = [self.encode(question, steps) for steps in paths]
+        self._prefill_shared_prefix([ids for ids, _ in requests], first_new,
+                                    lambda payload: self.post("/generate", payload), counts)
         # Logprob entry j of the input is the distribution at position start + j - 1 (the one predicting
         # token start + j); the last position's distribution is the first output token's. Starting at the
         # first new step's readout lets the runtime serve everything before it from its radix cache (it

@@ -185,22 +185,11 @@ class ProbeScorer(StepScorer):
     def score_new_steps(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
                         counts: ScoreCounts) -> list[list[float]]:
         """One batched request for the new steps of every path (StepScorer's memo supplies the rest), after the
-        prompt alone when several paths are read from their start (`_cache_prompt`)."""
-        if len(paths) > 1 and min(first_new) == 0:
-            self._cache_prompt(prompt, counts)
-        return self._request([(index, *step_spans(self.tokenizer, prompt, steps), first)
-                              for index, (steps, first) in enumerate(zip(paths, first_new))], counts)
-
-    def _cache_prompt(self, prompt: str, counts: ScoreCounts) -> None:
-        """Prefill the prompt alone, so that the radix cache holds it before a batch of paths that share it
-        arrives. SGLang matches a request's prefix when it schedules it, and the paths of one batch are scheduled
-        together: with the prompt not yet cached, each of the n paths computes its Q tokens, n·Q where Q would
-        do. At n = 256 (Q = 53 tokens, three steps of up to 24) that held the verifier's measured hit at
-        0.59-0.65, where the plan's model (`memory_plan.planned_verifier_hit`) allows 0.76."""
-        ids = step_spans(self.tokenizer, prompt, [])[0]
-        answer = self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-        meta = answer["meta_info"]
-        self._count_answer(meta, len(ids), counts)
+        prefix the paths share alone when several are read from their start (`_prefill_shared_prefix`)."""
+        requests = [(index, *step_spans(self.tokenizer, prompt, steps), first)
+                    for index, (steps, first) in enumerate(zip(paths, first_new))]
+        self._prefill_shared_prefix([ids for _, ids, _, _ in requests], first_new, self._generate, counts)
+        return self._request(requests, counts)
 
     def _generate(self, payload: dict[str, Any]) -> Any:
         try:
