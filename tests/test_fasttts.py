@@ -207,7 +207,7 @@ def test_a_session_restarts_only_the_runtimes_whose_settings_differ(monkeypatch)
 def test_a_session_pool_keeps_sets_of_runtimes_and_offers_the_oldest_when_full(monkeypatch):
     from sgl_tts.app.session import SessionPool
     started, arm = fake_session_runtimes(monkeypatch)
-    pool = SessionPool(live=2)
+    pool = SessionPool(live=2, available_bytes=lambda: float("inf"))
     baseline = pool.switch(arm("baseline"))
     assert baseline.reused == [] and len(started) == 2
     pool.give_back(baseline)
@@ -229,12 +229,35 @@ def test_a_session_pool_keeps_sets_of_runtimes_and_offers_the_oldest_when_full(m
     just_p.close()
     pool.close()
     assert all(r.stopped for r in started)
-    one = SessionPool(live=1)
+    one = SessionPool(live=1, available_bytes=lambda: float("inf"))
     one.give_back(one.switch(arm("baseline")))
     p_after = one.switch(arm("P"))  # the one kept set is offered: P changes the generator only
     assert p_after.reused == ["scorer"] and started[-3].stopped and not started[-2].stopped
     p_after.close()
     one.close()
+
+
+def test_a_session_pool_keeps_no_more_sets_than_the_hosts_memory_holds(monkeypatch):
+    from sgl_tts.app.session import SERVER_HOST_BYTES, SessionPool, host_bytes_needed, planned_runtimes
+    started, arm = fake_session_runtimes(monkeypatch)
+    configs = planned_runtimes(arm("baseline"))[1]
+    one_set = host_bytes_needed(configs)
+    specs = {name: model_spec_for(config) for name, config in configs.items()}
+    assert one_set == sum(SERVER_HOST_BYTES + specs[name].weight_bytes
+                          + config.max_total_tokens * specs[name].kv_bytes_per_token
+                          for name, config in configs.items()), "per CPU server: processes, weights, KV"
+    free = [1.5 * one_set]
+    pool = SessionPool(live=3, available_bytes=lambda: free[0])
+    pool.give_back(pool.switch(arm("baseline")))
+    free[0] = 0.5 * one_set  # the first set took its share: no room for a second
+    p_only = pool.switch(arm("P"))  # the baseline's set goes, lending the scorer P shares with it
+    assert p_only.reused == ["scorer"] and started[0].stopped and len(started) == 3
+    pool.give_back(p_only)
+    free[0] = 10 * one_set
+    with_m = pool.switch(arm("P+M"))  # room again: P's set stays beside the new one
+    assert with_m.reused == [] and not any(r.stopped for r in started[1:])
+    with_m.close()
+    pool.close()
 
 
 def test_bench_cells_medians_ranges_and_claims():

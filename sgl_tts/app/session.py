@@ -249,21 +249,51 @@ class Session:
         self.close()
 
 
-class SessionPool:
-    """Started runtimes kept between sessions, at most `live` sets of them: `switch` gives a session that keeps
-    a set started for the same settings, else the runtimes it shares with the oldest set, which goes."""
+# Host memory one SGLang server takes beyond its model's weights and KV: its tokenizer manager, scheduler and
+# detokenizer processes (0.8-1.9 GB each, docs/runtime-speed.md). Measured: a SmolLM2-135M server on CPU takes
+# about 3.2 GB in all, 0.54 GB of which are its fp32 weights.
+SERVER_HOST_BYTES = 2.5 * 2**30
 
-    def __init__(self, live: int = 1):
+
+def host_bytes_needed(configs: dict[str, RuntimeConfig]) -> float:
+    """The host memory the runtimes of `configs` take when started: `SERVER_HOST_BYTES` per server and, on
+    cpu, each server's weights and KV (`max_total_tokens`)."""
+    from sgl_tts.runtime.memory_plan import model_spec_for
+
+    total = 0.0
+    for config in configs.values():
+        per_server = SERVER_HOST_BYTES
+        if config.device == "cpu":
+            spec = model_spec_for(config)
+            per_server += spec.weight_bytes + (config.max_total_tokens or 0) * spec.kv_bytes_per_token
+        total += config.replicas * per_server
+    return total
+
+
+class SessionPool:
+    """Started runtimes kept between sessions, at most `live` sets of them and no more than the host's free
+    memory holds: `switch` gives a session that keeps a set started for the same settings, else the runtimes it
+    shares with the oldest set, which goes."""
+
+    def __init__(self, live: int = 1, available_bytes: Callable[[], float] | None = None):
+        import psutil
+
         self.live = live
+        self.available_bytes = available_bytes or (lambda: psutil.virtual_memory().available)
         self.kept: OrderedDict[tuple, dict[str, Runtime]] = OrderedDict()
 
     def switch(self, config: RunConfig) -> Session:
         """A session for `config` on the kept runtimes it wants; the kept runtimes it does not want are stopped
-        once there is no room left for them."""
-        reuse = self.kept.pop(_settings_key(planned_runtimes(checked_program(config))[1]), None)
-        while reuse is None and self.kept and len(self.kept) >= self.live:
+        once there is no room left for them: `live` sets, or fewer when the host's available memory would not
+        hold a new set beside them (`host_bytes_needed`; a start-up short of memory fails or swaps)."""
+        wanted = planned_runtimes(checked_program(config))[1]
+        reuse = self.kept.pop(_settings_key(wanted), None)
+        room = self.live
+        if reuse is None and self.kept and host_bytes_needed(wanted) > self.available_bytes():
+            room = len(self.kept)  # no memory for one more set: the oldest goes (or lends what it shares)
+        while reuse is None and self.kept and len(self.kept) >= room:
             oldest = self.kept.popitem(last=False)[1]
-            if len(self.kept) >= self.live:
+            if len(self.kept) >= room:
                 _stop(oldest)
             else:
                 reuse = oldest  # Session keeps what it wants and stops the rest

@@ -87,7 +87,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine-batch", type=int, default=None,
                         help="speculate only while the generator runs fewer requests than this (default: the "
                              "sequences of one step's length the generator's KV holds)")
-    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells")
+    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells (fewer when the host's free memory would not "
+                             "hold another)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
     parser.add_argument("--out", default=None,
