@@ -359,6 +359,41 @@ def test_the_bench_plans_for_the_longest_prompt_in_the_generators_format():
     assert longest_prompt_tokens(problems, None, WordTokenizer()) == frame + 10, "the longest, with its frame"
 
 
+def test_runs_of_one_n_each_merge_into_one_table_and_plot(monkeypatch, tmp_path, capsys):
+    """`--merge`: the JSON of separate runs (one per n, so that one n's runtimes are alive at a time) reported
+    together; a cell measured in two files pools its runs; a file that is not a bench JSON is named."""
+    import json
+
+    from sgl_tts.bench import fasttts
+
+    def run_cell(pool, config, problems, describe):
+        n = config.search.n
+        return {"goodput": 100.0 / n + (1.0 if config.fasttts.label != "baseline" else 0.0),
+                "p50_latency_s": float(n), "verifier_share": 0.1, "verifier_cache_hit": 0.5,
+                "evicted_tokens": 0.0, "retracted": 0.0, "speculation": {}, "planned_verifier_hit": 0.7,
+                "errors": 0}
+
+    monkeypatch.setattr(fasttts, "run_cell", run_cell)
+    for n in (16, 64):
+        fasttts.run_bench(fasttts.BenchOptions(programs="beam_search", ns=str(n), arms="baseline,P", repeats=2,
+                                               problems=1, prompt_tokens=80, out=str(tmp_path / f"n{n}")))
+    files = [str(tmp_path / f"n{n}" / "bench-fasttts.json") for n in (16, 64, 64)]
+    capsys.readouterr()
+    assert fasttts.run_bench(fasttts.BenchOptions(merge=",".join(files), out=str(tmp_path / "all"))) == 0
+    printed = capsys.readouterr().out
+    assert "merged from" in printed and "PARTIAL" not in printed
+    merged = json.loads((tmp_path / "all" / "bench-fasttts.json").read_text())
+    runs = {(c["n"], c["arm"]): len(c["runs"]) for c in merged["cells"]}
+    assert runs == {(16, "baseline"): 2, (16, "P"): 2, (64, "baseline"): 4, (64, "P"): 4}, "n = 64 given twice"
+    assert sorted(b["n"] for b in merged["budgets"]) == [16, 64] and merged["merged_from"] == files
+    assert (tmp_path / "all" / "bench-fasttts.png").stat().st_size > 0
+    table = (tmp_path / "all" / "bench-fasttts.md").read_text()
+    assert table.count("| beam_search |") == 4 and "merged from" in table
+    (tmp_path / "bad.json").write_text('{"cells": []}')
+    with pytest.raises(ValueError, match="bad.json: not a bench fasttts JSON"):
+        fasttts.run_bench(fasttts.BenchOptions(merge=str(tmp_path / "bad.json")))
+
+
 def test_a_bench_stopped_by_an_error_keeps_the_cells_it_measured(monkeypatch, tmp_path, capsys):
     """A runtime that fails mid-way (a start-up error, a crash) loses no measured cell: the table of what was
     measured is printed and written, marked partial, and the error still ends the run."""

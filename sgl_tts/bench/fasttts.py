@@ -283,6 +283,7 @@ class BenchOptions:
     seed: int = 0
     log_dir: str | None = None
     out: str | None = None  # folder for the JSON, the Markdown table and the plots of every run
+    merge: str | None = None  # comma-separated JSON files of earlier runs: report them together, run nothing
 
 
 def _base_config(options: BenchOptions) -> Any:
@@ -322,6 +323,8 @@ def resolved(options: BenchOptions) -> tuple[BenchOptions, list[str], list[int],
 
 
 def run_bench(options: BenchOptions) -> int:
+    if options.merge:
+        return merge_runs(options, options.merge.split(","))
     from sgl_tts.app.session import SessionPool
     from sgl_tts.fasttts.switches import describe_settings, from_label
     from sgl_tts.problems import load_problems
@@ -388,17 +391,52 @@ def run_bench(options: BenchOptions) -> int:
     return 0
 
 
+def merge_runs(options: BenchOptions, paths: list[str]) -> int:
+    """The table and plots of earlier runs' `bench-fasttts.json` files together (say, one run per n, each
+    started on its own so that only one n's runtimes are alive at a time); a cell measured in several files
+    pools its runs. Raises ValueError naming a file that is not a bench fasttts JSON."""
+    cells: dict[Cell, list[dict[str, Any]]] = {}
+    budgets: dict[tuple[int, float], Any] = {}
+    protocols: list[str] = []
+    partial = False
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            runs = [((c["program"], int(c["n"]), float(c["fraction"]), c["arm"]), c["runs"]) for c in data["cells"]]
+            protocol = data["protocol"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--merge {path}: not a bench fasttts JSON (protocol, cells with program, n, "
+                             f"fraction, arm, runs): {exc}") from None
+        for key, measured in runs:
+            cells.setdefault(key, []).extend(measured)
+        for budget in data.get("budgets", []):
+            budgets[(int(budget["n"]), float(budget["fraction"]))] = {
+                key: value for key, value in budget.items() if key not in ("n", "fraction")}
+        protocols += [protocol] if protocol not in protocols else []
+        partial = partial or bool(data.get("partial"))
+    order = lambda values: list(dict.fromkeys(values))  # noqa: E731
+    programs = order(p for p in PROGRAMS if any(key[0] == p for key in cells)) + order(
+        key[0] for key in cells if key[0] not in PROGRAMS)
+    labels = order([a for a in ARMS if any(key[3] == a for key in cells)] + [key[3] for key in cells])
+    ns, fractions = sorted({key[1] for key in cells}), sorted({key[2] for key in cells})
+    repeats = max(len(runs) for runs in cells.values())
+    report(options, cells, programs, ns, fractions, [FastTTSArm.parse(label) for label in labels], repeats,
+           budgets, " + ".join(protocols), time.monotonic(), partial, sources=paths)
+    return 0
+
+
 def report(options: BenchOptions, cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int],
            fractions: list[float], arms: list[FastTTSArm], repeats: int, budgets: dict[tuple[int, float], Any],
-           protocol: str, began: float, partial: bool = False) -> None:
+           protocol: str, began: float, partial: bool = False, sources: list[str] | None = None) -> None:
     """Print the table and, with `--out`, write the JSON, the Markdown table and the plots (`partial`: of the
-    cells measured before a failure)."""
+    cells measured before a failure; `sources`: the JSON files merged, instead of a run's time)."""
     from sgl_tts.measure.tables import markdown_table
 
     labels = [a.label for a in arms]
     rows = table_rows(cells, programs, ns, fractions, labels)
-    print(f"\nFastTTS, {protocol}; {repeats} interleaved repeats per cell ({time.monotonic() - began:.0f} s in "
-          f"all); median [min-max]; * = ranges do not overlap the baseline's" + ("; PARTIAL" if partial else ""))
+    made = f"merged from {', '.join(sources)}" if sources else f"{time.monotonic() - began:.0f} s in all"
+    print(f"\nFastTTS, {protocol}; {repeats} interleaved repeats per cell ({made}); median [min-max]; * = ranges "
+          f"do not overlap the baseline's" + ("; PARTIAL" if partial else ""))
     print(console_table(TABLE_COLUMNS, rows))
     if options.out:
         out = Path(options.out)
@@ -408,12 +446,12 @@ def report(options: BenchOptions, cells: dict[Cell, list[dict[str, Any]]], progr
              "budget_rule": (f"fixed {options.kv_budget_mib:g} MiB" if options.kv_budget_mib is not None
                              else f"fractions {fractions} of the working set"),
              "budgets": [{"n": n, "fraction": f, **b} for (n, f), b in budgets.items()],
-             "args": dataclasses.asdict(options),
+             "args": dataclasses.asdict(options), **({"merged_from": sources} if sources else {}),
              "cells": [{"program": p, "n": n, "fraction": f, "arm": a, "runs": runs}
                        for (p, n, f, a), runs in cells.items()]},
             indent=1, default=str))
         write_atomic(out / "bench-fasttts.md",
-            f"Protocol: {protocol}; {repeats} interleaved repeats; median [min-max]; * = ranges separate."
+            f"Protocol: {protocol}; {repeats} interleaved repeats ({made}); median [min-max]; * = ranges separate."
             + (" PARTIAL: the run stopped on an error." if partial else "") + "\n\n"
             + markdown_table([c.title for c in TABLE_COLUMNS], rows) + "\n")
         plot(cells, programs, ns, fractions, labels, out / "bench-fasttts.png")

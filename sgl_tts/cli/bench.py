@@ -87,12 +87,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine-batch", type=int, default=None,
                         help="speculate only while the generator runs fewer requests than this (default: the "
                              "sequences of one step's length the generator's KV holds)")
-    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between cells (fewer when the host's free memory would not "
+    parser.add_argument("--live-sessions", type=int, default=2,
+                        help="runtime sets kept alive between cells (fewer when the host's free memory would not "
                              "hold another)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
     parser.add_argument("--out", default=None,
                         help="folder for the JSON of every run, the Markdown table and the Fig. 12/13 plots")
+    parser.add_argument("--merge", default=None,
+                        help="comma-separated bench-fasttts.json files of earlier runs (e.g. one per n): report "
+                             "and plot their cells together, running nothing")
     parser.set_defaults(func=bench_fasttts)
 
     parser = bench_commands.add_parser("policy", help="prefix-aware ordering (P) at 256 to 4,096 waiting requests: "
