@@ -296,13 +296,21 @@ def test_speculation_fills_the_batch_the_generators_kv_holds():
 
     work = plan_workload(16, 80, 72, 24)  # S = 80 + 36 + 24 = 140
     assert engine_batch_for(1400, work) == 10 and engine_batch_for(100, work) == 1
+    from sgl_tts.fasttts.switches import CPU_SPECULATION_BATCH
+
     s = from_label("P+M+S", kv_budget_mib=100, hardware="rtx4090")
-    settings = configure_runtimes(s, SEARCH, SMOL, SMOL)
+    gpu = dataclasses.replace(SMOL, device="cuda")
+    settings = configure_runtimes(s, SEARCH, gpu, gpu)
     expected = engine_batch_for(settings.plan.generator.max_total_tokens,
                                 plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens))
-    assert settings.engine_batch == expected > 1 and "speculation fills up to" in describe_settings(settings)
+    assert settings.engine_batch == expected > CPU_SPECULATION_BATCH
+    assert "speculation fills up to" in describe_settings(settings)
+    on_cpu = configure_runtimes(s, SEARCH, SMOL, SMOL)
+    cpu_work = plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
+    assert engine_batch_for(on_cpu.plan.generator.max_total_tokens, cpu_work) > CPU_SPECULATION_BATCH, "KV holds more"
+    assert on_cpu.engine_batch == CPU_SPECULATION_BATCH, "a CPU generator: capped, extra sequences cost compute"
     given = configure_runtimes(dataclasses.replace(s, engine_batch=16), SEARCH, SMOL, SMOL)
-    assert given.engine_batch == 16, "a given engine_batch stands"
+    assert given.engine_batch == 16, "a given engine_batch stands, on a CPU too"
     assert configure_runtimes(from_label("P+M", kv_budget_mib=100, hardware="rtx4090"), SEARCH, SMOL,
                               SMOL).engine_batch is None, "no S, no engine batch"
     assert configure_runtimes(from_label("S"), SEARCH, SMOL, SMOL).engine_batch is None, "no known KV: no limit"

@@ -34,6 +34,11 @@ from sgl_tts.search.api import SearchConfig
 logger = logging.getLogger(__name__)
 
 PRIORITY_FLAG = "--enable-priority-scheduling"
+# On a CPU generator S fills at most this many running requests (unless fasttts.engine_batch is given): extra
+# sequences are not free there (decode gives 108 tok/s at 16 requests, 173 at 64). Measured with `bench fasttts`
+# (beam search, one search at a time, KV at 0.5x the working set): at n = 64, filling up to the 10 requests the
+# KV holds made P+M+S 0.92x P+M's goodput (latency 1.10x); up to 2, 1.06x; at n = 16 (2 by the KV) 1.17x.
+CPU_SPECULATION_BATCH = 2
 PREEMPTION_THRESHOLD = 10  # SGLang's default --priority-scheduling-preemption-threshold
 
 
@@ -51,7 +56,8 @@ class FastTTSConfig:
     engine_batch: the running batch the generator engine serves well; speculation fills only what the engine
         has idle below it (running + waiting requests from `GET /v1/loads`, all searches together). None: from
         the generator's KV budget when it is known (`memory_plan.engine_batch_for`: the sequences of one step's
-        length it holds), else no engine limit, only the search's own free slots.
+        length it holds; on a CPU at most `CPU_SPECULATION_BATCH`), else no engine limit, only the search's own
+        free slots.
     standard_priority, speculative_priority: request priorities under priority scheduling (larger runs
         first); the gap must exceed SGLang's preemption threshold (10) so standard work preempts.
     hardware: roofline profile for M (`sgl_tts.runtime.hardware.HARDWARE` or `this-machine`, probed). None:
@@ -163,7 +169,8 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
     (prompt_tokens + max_tokens + max_step_tokens), and on cuda every runtime gets a start-order-safe
     `mem_fraction_static`. Without M and without `kv_budget_mib` the runtimes keep their configured budgets.
     M's plan counts the working sets of `searches` searches at once (`memory_plan.search_working_sets`).
-    With S and no `engine_batch`, S fills up to the batch the generator's KV holds (`engine_batch_for`).
+    With S and no `engine_batch`, S fills up to the batch the generator's KV holds (`engine_batch_for`), on a
+    CPU generator at most `CPU_SPECULATION_BATCH`.
     """
     env = {**generator.env, ENV_POLICY: fast.policy}
     args = list(generator.extra_args)
@@ -180,7 +187,8 @@ def configure_runtimes(fast: FastTTSConfig, search: SearchConfig, generator: Run
     def engine_batch(generator_tokens: int | None) -> int | None:
         if fast.engine_batch is not None or not fast.speculative or generator_tokens is None:
             return fast.engine_batch
-        return engine_batch_for(generator_tokens, work)
+        fits = engine_batch_for(generator_tokens, work)
+        return min(fits, CPU_SPECULATION_BATCH) if generator.device == "cpu" else fits
 
     if fast.kv_budget_mib is None and not fast.memory_plan:
         return RuntimeSettings(generator, verifier, "as configured", target=target,
