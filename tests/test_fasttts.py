@@ -392,6 +392,9 @@ def test_runs_of_one_n_each_merge_into_one_table_and_plot(monkeypatch, tmp_path,
     (tmp_path / "bad.json").write_text('{"cells": []}')
     with pytest.raises(ValueError, match="bad.json: not a bench fasttts JSON"):
         fasttts.run_bench(fasttts.BenchOptions(merge=str(tmp_path / "bad.json")))
+    (tmp_path / "empty.json").write_text('{"protocol": "p", "cells": []}')
+    with pytest.raises(ValueError, match="empty.json: no measured cell"):
+        fasttts.run_bench(fasttts.BenchOptions(merge=str(tmp_path / "empty.json")))
 
 
 def test_a_bench_stopped_by_an_error_keeps_the_cells_it_measured(monkeypatch, tmp_path, capsys):

@@ -278,7 +278,7 @@ class BenchOptions:
     hardware: str = "this-machine"
     prompt_tokens: int | None = None  # None: the longest prompt of the bench's problems (`longest_prompt_tokens`)
     max_speculative: int | None = None
-    engine_batch: int | None = None  # None: from the generator's KV (memory_plan.engine_batch_for)
+    engine_batch: int | None = None  # None: from the generator's KV, on a CPU at most CPU_SPECULATION_BATCH
     live_sessions: int = 2
     seed: int = 0
     log_dir: str | None = None
@@ -414,6 +414,8 @@ def merge_runs(options: BenchOptions, paths: list[str]) -> int:
                 key: value for key, value in budget.items() if key not in ("n", "fraction")}
         protocols += [protocol] if protocol not in protocols else []
         partial = partial or bool(data.get("partial"))
+    if not cells:
+        raise ValueError(f"--merge {','.join(paths)}: no measured cell in these files")
     order = lambda values: list(dict.fromkeys(values))  # noqa: E731
     programs = order(p for p in PROGRAMS if any(key[0] == p for key in cells)) + order(
         key[0] for key in cells if key[0] not in PROGRAMS)

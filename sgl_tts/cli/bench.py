@@ -86,7 +86,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-speculative", type=int, default=None, help="cap on one search's speculative requests")
     parser.add_argument("--engine-batch", type=int, default=None,
                         help="speculate only while the generator runs fewer requests than this (default: the "
-                             "sequences of one step's length the generator's KV holds)")
+                             "sequences of one step's length the generator's KV holds, on a CPU at most 2)")
     parser.add_argument("--live-sessions", type=int, default=2,
                         help="runtime sets kept alive between cells (fewer when the host's free memory would not "
                              "hold another)")

@@ -42,7 +42,7 @@ DEVICE_UTILIZATION = 0.9
 MIB = 2**20
 # Split times within this fraction of the modelled minimum count as equal (`SplitCost.best`): the roofline does not
 # model the step time that finely, and under-sizing the generator costs more than the model says (SGLang retracts
-# running requests when their KV runs out: at n = 256, a plan 0.35% faster on paper gave the generator 30% of its
+# running requests when their KV runs out: at n = 256, a plan 0.4% faster on paper gave the generator 30% of its
 # working set, and it retracted 38 requests).
 NEAR_TIE = 0.01
 ROLES = ("generator", "verifier", "target")
