@@ -9,6 +9,11 @@ path is exactly a step the path's copies would otherwise generate, and a head st
 produced but not which: with truncation ratio 0 (duplicates keep nothing) the search must then send the
 verifier exactly the steps it sends with S off. With R > 0 duplicates share a truncated prefix of their
 original's step, FastTTS's accepted departure from equivalence, checked separately.
+
+Copy k of a beam takes the branch launched k-th, so speculative requests on one text draw their variants in
+launch order (the rid's beam number, given at launch): a request waits to draw until no request launched
+before it on the same text and already started is still to draw. The thread pool starts requests in launch
+order, so only a worker held between taking its request and starting it could still draw late.
 """
 
 import dataclasses
@@ -47,6 +52,8 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
         self.token_delay_s = token_delay_s or (lambda done, variant: 0.002 * (1 + _hash(done, variant) % 8))
         self.speculative_delay_s = speculative_delay_s or self.token_delay_s
         self.lock = threading.Lock()
+        self.turn = threading.Condition(self.lock)  # speculative draws on one text, in launch order
+        self.undrawn: dict[str, set[int]] = defaultdict(set)  # text -> beam numbers of started, undrawn requests
         self.variants: dict[str, int] = defaultdict(int)
         self.drawn: dict[str, dict[int, tuple[list[str], str]]] = defaultdict(dict)
         self.aborted: set[str] = set()
@@ -74,10 +81,12 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
         cut = text.rfind(DELIMITER) + len(DELIMITER)
         done, partial = text[:cut], text[cut:]
         entry = {"kind": kind, "rid": rid, "text": text, "budget": budget, "start": time.monotonic()}
+        launch = decode_rid(rid).beam_id if kind == "speculative" else None
         with self.lock:
             self.running[kind] += 1
             if kind == "speculative":
                 self.peak_running.append((self.running["standard"], self.running["speculative"]))
+                self.undrawn[done].add(launch)
             self.log.append(entry)
         produced, pieces, reason = [], None, None
         skip = len(word_pieces(partial))
@@ -89,12 +98,16 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
                 delay = delays(done, variant)
             self._sleep(delay, rid)
             with self.lock:
+                if pieces is None and launch is not None:
+                    self.turn.wait_for(lambda: rid in self.aborted or min(self.undrawn[done]) == launch)
                 if rid in self.aborted:
                     reason = {"type": "abort", "message": "Aborted"}
+                    self._drawn(done, launch)
                     break
                 if pieces is None:  # the step is drawn with the first token
                     pieces, ending, variant = self._draw(done, partial)
                     pieces = pieces[skip:]
+                    self._drawn(done, launch)
             if len(produced) == len(pieces):
                 reason = {"type": "stop", "matched": EOS_ID if ending == "eos" else DELIMITER}
             elif len(produced) == budget:
@@ -107,6 +120,12 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
             entry.update(end=time.monotonic(), output=output, reason=reason["type"])
         return output, {"completion_tokens": len(produced), "prompt_tokens": len(text), "cached_tokens": 0,
                         "finish_reason": reason}
+
+    def _drawn(self, done: str, launch: int | None) -> None:
+        """A speculative request has drawn its step (or will not): the next one on `done` may draw. Under the lock."""
+        if launch is not None and launch in self.undrawn[done]:
+            self.undrawn[done].discard(launch)
+            self.turn.notify_all()
 
     def _sleep(self, seconds: float, rid: str | None) -> None:
         """Sleep in short slices, so that an abort stops a request at once."""
@@ -133,6 +152,7 @@ class TimedScriptedBackend(SearchBackend, BaseBackend, SpeculationClient):
         with self.lock:
             self.aborted.add(rid)
             self.log.append({"kind": "abort", "rid": rid, "start": time.monotonic()})
+            self.turn.notify_all()
 
     def entries(self, kind):
         return [e for e in self.log if e["kind"] == kind]
