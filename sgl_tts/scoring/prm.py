@@ -21,8 +21,8 @@ import math
 import re
 from typing import Any, Sequence
 
-from sgl_tts.runtime.server import RuntimeConfig, http_json, request_timeout
-from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
+from sgl_tts.runtime.server import request_timeout, RuntimeConfig
+from sgl_tts.scoring.base import post_to_runtime, runtime_failures, ScoreCounts, ScorerError, StepScorer
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
 
@@ -60,11 +60,7 @@ class _RuntimePRM(StepScorer):
         return (last[0] if isinstance(last, tuple) else last).strip()
 
     def post(self, route: str, payload: dict[str, Any]) -> Any:
-        try:
-            return http_json(self.runtime.url + route, payload, timeout=request_timeout(self.runtime))
-        except OSError as exc:
-            self.runtime.check_alive()  # a dead runtime raises RuntimeDiedError naming it
-            raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
+        return post_to_runtime(self.runtime, route, payload)
 
 
 class LogprobTagScorer(_RuntimePRM):
@@ -229,12 +225,9 @@ class ClassifierPRMScorer(LogprobTagScorer):
         from sgl_tts.scoring.prm_models.client import batch_classifier_step_rewards
 
         texts = self.texts(self.question_of(prompt), paths)
-        try:
+        with runtime_failures(self.runtime):
             rewards = batch_classifier_step_rewards(self.runtime.url, texts, self.step_token_id,
                                                     timeout=request_timeout(self.runtime))
-        except OSError as exc:
-            self.runtime.check_alive()
-            raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
         for steps, text, path_rewards in zip(paths, texts, rewards):
             # The embedding runtime runs without a radix cache (see prm_models): every token is read again.
             self._count(len(self.tokenizer(text, add_special_tokens=False).input_ids), 0, counts)

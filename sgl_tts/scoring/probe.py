@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from sgl_tts.runtime.models import register_builtin_model
-from sgl_tts.runtime.server import http_json, request_timeout
-from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
+from sgl_tts.scoring.base import post_to_runtime, ScoreCounts, StepScorer
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
 Pooling = Literal["last", "mean"]
@@ -192,11 +191,7 @@ class ProbeScorer(StepScorer):
         return self._request(requests, counts)
 
     def _generate(self, payload: dict[str, Any]) -> Any:
-        try:
-            return http_json(self.runtime.url + "/generate", payload, timeout=request_timeout(self.runtime))
-        except OSError as exc:
-            self.runtime.check_alive()
-            raise ScorerError(f"scorer runtime '{self.runtime.name}' at {self.runtime.url} failed: {exc}") from exc
+        return post_to_runtime(self.runtime, "/generate", payload)
 
     def _request(self, requests: list[tuple[int, list[int], list[tuple[int, int]], int]],
                  counts: ScoreCounts) -> list[list[float]]:
