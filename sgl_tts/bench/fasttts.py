@@ -383,11 +383,12 @@ def run_bench(options: BenchOptions) -> int:
     except BaseException:
         if cells:  # what was measured before the failure is kept: printed, and written with --out
             print("\nbench fasttts stopped by an error; the cells measured so far:", flush=True)
-            report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, began, partial=True)
+            report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, ran_for(began),
+                   partial=True)
         raise
     finally:
         pool.close()
-    report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, began)
+    report(options, cells, programs, ns, fractions, arms, repeats, budgets, protocol, ran_for(began))
     return 0
 
 
@@ -423,20 +424,24 @@ def merge_runs(options: BenchOptions, paths: list[str]) -> int:
     ns, fractions = sorted({key[1] for key in cells}), sorted({key[2] for key in cells})
     repeats = max(len(runs) for runs in cells.values())
     report(options, cells, programs, ns, fractions, [FastTTSArm.parse(label) for label in labels], repeats,
-           budgets, " + ".join(protocols), time.monotonic(), partial, sources=paths)
+           budgets, " + ".join(protocols), f"merged from {', '.join(paths)}", partial, sources=paths)
     return 0
+
+
+def ran_for(began: float) -> str:
+    return f"{time.monotonic() - began:.0f} s in all"
 
 
 def report(options: BenchOptions, cells: dict[Cell, list[dict[str, Any]]], programs: list[str], ns: list[int],
            fractions: list[float], arms: list[FastTTSArm], repeats: int, budgets: dict[tuple[int, float], Any],
-           protocol: str, began: float, partial: bool = False, sources: list[str] | None = None) -> None:
-    """Print the table and, with `--out`, write the JSON, the Markdown table and the plots (`partial`: of the
-    cells measured before a failure; `sources`: the JSON files merged, instead of a run's time)."""
+           protocol: str, made: str, partial: bool = False, sources: list[str] | None = None) -> None:
+    """Print the table and, with `--out`, write the JSON, the Markdown table and the plots (`made`: how long the
+    run took, or what was merged; `partial`: of the cells measured before a failure; `sources`: the JSON files
+    merged)."""
     from sgl_tts.measure.tables import markdown_table
 
     labels = [a.label for a in arms]
     rows = table_rows(cells, programs, ns, fractions, labels)
-    made = f"merged from {', '.join(sources)}" if sources else f"{time.monotonic() - began:.0f} s in all"
     print(f"\nFastTTS, {protocol}; {repeats} interleaved repeats per cell ({made}); median [min-max]; * = ranges "
           f"do not overlap the baseline's" + ("; PARTIAL" if partial else ""))
     print(console_table(TABLE_COLUMNS, rows))
