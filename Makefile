@@ -12,7 +12,7 @@ run: setup
 	.venv/bin/sgl-tts run --config $(RUN_CONFIG) --compare
 
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not runtime"
