@@ -242,11 +242,11 @@ def likelihood_reference(prompt: str, steps: list[str]) -> list[float]:
 @pytest.fixture
 def fake_generate(monkeypatch):
     import sgl_tts.runtime.server as server
-    import sgl_tts.scoring.base as scoring_base
+    import sgl_tts.scoring.runtime_calls as runtime_calls
 
     fake = FakeGenerate()
     monkeypatch.setattr(server, "http_json", fake)
-    monkeypatch.setattr(scoring_base, "http_json", fake)
+    monkeypatch.setattr(runtime_calls, "http_json", fake)
     return fake
 
 

@@ -175,7 +175,7 @@ def test_scorer_reads_each_step_once_and_matches_the_reference(checkpoint, base_
     from sgl_tts.frontend.backend import chat_prompt
 
     runtime = FakeRuntime(checkpoint)
-    monkeypatch.setattr("sgl_tts.scoring.base.http_json", lambda url, payload, timeout: runtime.generate(payload))
+    monkeypatch.setattr("sgl_tts.scoring.runtime_calls.http_json", lambda url, payload, timeout: runtime.generate(payload))
     scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
     expected = reference_scores(base_dir, random_head(1, "last"), tmp_path)
     solution = SOLUTIONS[0]
@@ -200,7 +200,7 @@ def test_paths_read_from_their_start_together_are_sent_after_their_shared_prefix
     from sgl_tts.frontend.backend import chat_prompt
 
     runtime = FakeRuntime(checkpoint)
-    monkeypatch.setattr("sgl_tts.scoring.base.http_json", lambda url, payload, timeout: runtime.generate(payload))
+    monkeypatch.setattr("sgl_tts.scoring.runtime_calls.http_json", lambda url, payload, timeout: runtime.generate(payload))
     scorer = ProbeScorer(ScorerConfig(kind="probe"), runtime, tokenizer)
     solution = SOLUTIONS[0]
     prompt = chat_prompt(tokenizer, solution.problem)

@@ -15,13 +15,11 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC
-from contextlib import contextmanager
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from sgl_tts.registry import Registry
-from sgl_tts.runtime.server import http_json, request_timeout
 
 AGGREGATIONS: Registry[Callable[[Sequence[float]], float]] = Registry("aggregation", {
     "last": lambda scores: scores[-1],
@@ -136,22 +134,6 @@ def shared_prefix_length(id_lists: Sequence[Sequence[int]]) -> int:
         if any(ids[position] != token for ids in id_lists):
             return position
     return shortest
-
-
-@contextmanager
-def runtime_failures(runtime: Any) -> Iterator[None]:
-    """Turn a failed request to a scorer runtime into a ScorerError naming it, or RuntimeDiedError if it died."""
-    try:
-        yield
-    except OSError as exc:
-        runtime.check_alive()  # a dead runtime raises RuntimeDiedError naming it
-        raise ScorerError(f"scorer runtime '{runtime.name}' at {runtime.url} failed: {exc}") from exc
-
-
-def post_to_runtime(runtime: Any, route: str, payload: dict[str, Any]) -> Any:
-    """POST `payload` to a scorer runtime's `route` (`runtime_failures` on error)."""
-    with runtime_failures(runtime):
-        return http_json(runtime.url + route, payload, timeout=request_timeout(runtime))
 
 
 class StepScorer(ABC):

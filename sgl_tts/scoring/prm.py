@@ -22,7 +22,8 @@ import re
 from typing import Any, Sequence
 
 from sgl_tts.runtime.server import request_timeout, RuntimeConfig
-from sgl_tts.scoring.base import post_to_runtime, runtime_failures, ScoreCounts, ScorerError, StepScorer
+from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer
+from sgl_tts.scoring.runtime_calls import post_to_runtime, runtime_failures
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
 

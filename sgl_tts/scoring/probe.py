@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from sgl_tts.runtime.models import register_builtin_model
-from sgl_tts.scoring.base import post_to_runtime, ScoreCounts, StepScorer
+from sgl_tts.scoring.base import ScoreCounts, StepScorer
+from sgl_tts.scoring.runtime_calls import post_to_runtime
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
 Pooling = Literal["last", "mean"]
