@@ -301,13 +301,13 @@ def test_speculation_fills_the_batch_the_generators_kv_holds():
     s = from_label("P+M+S", kv_budget_mib=100, hardware="rtx4090")
     gpu = dataclasses.replace(SMOL, device="cuda")
     settings = configure_runtimes(s, SEARCH, gpu, gpu)
-    expected = engine_batch_for(settings.plan.generator.max_total_tokens,
-                                plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens))
+    search_work = plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
+    expected = engine_batch_for(settings.plan.generator.max_total_tokens, search_work)
     assert settings.engine_batch == expected > CPU_SPECULATION_BATCH
     assert "speculation fills up to" in describe_settings(settings)
     on_cpu = configure_runtimes(s, SEARCH, SMOL, SMOL)
-    cpu_work = plan_workload(SEARCH.n, s.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
-    assert engine_batch_for(on_cpu.plan.generator.max_total_tokens, cpu_work) > CPU_SPECULATION_BATCH, "KV holds more"
+    assert engine_batch_for(on_cpu.plan.generator.max_total_tokens, search_work) > CPU_SPECULATION_BATCH, \
+        "KV holds more"
     assert on_cpu.engine_batch == CPU_SPECULATION_BATCH, "a CPU generator: capped, extra sequences cost compute"
     given = configure_runtimes(dataclasses.replace(s, engine_batch=16), SEARCH, SMOL, SMOL)
     assert given.engine_batch == 16, "a given engine_batch stands, on a CPU too"
