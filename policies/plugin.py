@@ -1,29 +1,37 @@
-"""SGLang plugin: installs the scheduler policy named by $SGL_TTS_POLICY into the runtime.
+"""SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
+batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched) and the step timing of
+policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
 
 SGLang's scheduler process calls `load_plugins()`, which runs `register()` (entry point group
-`sglang.srt.plugins`). With SGL_TTS_POLICY=prefix, `register` wraps
+`sglang.srt.plugins`). With SGLTTS_POLICY=prefix, `register` wraps
 `SchedulePolicy.calc_priority` (AROUND hook): SGLang orders the waiting queue as usual (use
 `--schedule-policy fcfs`), then our policy reorders it in place. Unset or `fcfs` installs nothing.
 With `--enable-priority-scheduling` the queue is then stably re-sorted by priority, so request
 priorities (and SGLang's priority preemption) still win and our order holds within each priority.
-SGL_TTS_POLICY_TRACE=<file> appends each reordered queue's rids as a JSON line (for tests).
+SGLTTS_POLICY_TRACE=<file> appends each reordered queue's rids as a JSON line (for tests).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
+import sys
 from typing import Any, Callable
 
-from policies import make_policy
+from policies import cpu_attention, idle_wait, make_policy, step_timing
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
+from policies.step_timing import StepTrace
+from sgl_tts import env_names
 
-ENV_POLICY = "SGL_TTS_POLICY"
-ENV_TRACE = "SGL_TTS_POLICY_TRACE"
+ENV_POLICY = env_names.POLICY
+ENV_TRACE = env_names.POLICY_TRACE
 TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
 
-logger = logging.getLogger(__name__)
+
+
+def announce(what: str) -> None:
+    """One line in the server's log (stderr: SGLang configures its logging only after the plugins load)."""
+    print(f"sgl-tts plugin (pid {os.getpid()}): {what}", file=sys.stderr, flush=True)
 
 
 def tag_of_request(req: Any) -> BeamTag | None:
@@ -56,15 +64,30 @@ def install(name: str, registry: Any, around: Any, trace_path: str | None = None
     if isinstance(policy, FcfsOrder):
         return None
     registry.register(TARGET, make_calc_priority_hook(policy, trace_path), around)
-    logger.info("sgl-tts: scheduler policy %r installed on %s", name, TARGET)
+    announce(f"scheduler policy {name!r} installed on {TARGET}")
     return policy
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point."""
-    name = os.environ.get(ENV_POLICY, "").strip() or FcfsOrder.name
-    if name == FcfsOrder.name:
+    """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the batched CPU
+    decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, and the step timing
+    (policies/step_timing.py) when $SGLTTS_STEP_TRACE names a file."""
+    name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
+    attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
+    step_trace = env_names.read(env_names.STEP_TRACE)
+    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and not step_trace:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    install(name, HookRegistry, HookType.AROUND, os.environ.get(ENV_TRACE) or None)
+    if attention == cpu_attention.BATCHED:
+        HookRegistry.register(cpu_attention.TARGET, cpu_attention.decode_hook, HookType.AROUND)
+        HookRegistry.register(idle_wait.TARGET, idle_wait.event_loop, HookType.REPLACE)
+        announce(f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
+                 f"for requests")
+    if step_trace:
+        trace = StepTrace(step_trace)
+        HookRegistry.register(step_timing.RUN_BATCH, trace.run_batch, HookType.AROUND)
+        HookRegistry.register(step_timing.MODEL_FORWARD, trace.model_forward, HookType.AROUND)
+        announce(f"step timing to {step_trace}")
+    if name != FcfsOrder.name:
+        install(name, HookRegistry, HookType.AROUND, env_names.read(ENV_TRACE))

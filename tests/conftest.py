@@ -33,15 +33,16 @@ def tiny_search_runtimes(tiny_runtime):
 
 @pytest.fixture(scope="session")
 def policy_runtime(tmp_path_factory):
-    """A tiny-model runtime with SGL_TTS_POLICY=prefix, metrics on, and one request running at a time, so
+    """A tiny-model runtime with SGLTTS_POLICY=prefix, metrics on, and one request running at a time, so
     that every other request waits in the queue the policy orders (each reordering is traced to a file)."""
+    from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     folder = tmp_path_factory.mktemp("policy-runtime")
     trace = folder / "trace.jsonl"
     config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, max_running_requests=1,
                            startup_timeout_s=600, extra_args=["--schedule-policy", "fcfs", "--enable-metrics"],
-                           env={"SGL_TTS_POLICY": "prefix", "SGL_TTS_POLICY_TRACE": str(trace)})
+                           env={env_names.POLICY: "prefix", env_names.POLICY_TRACE: str(trace)})
     runtime = Runtime.start(config, name="policy", log_dir=folder)
     yield runtime, trace
     runtime.stop()
@@ -64,3 +65,25 @@ def priority_runtime(tmp_path_factory):
     runtime = Runtime.start(config, name="priority", log_dir=tmp_path_factory.mktemp("priority-runtime"))
     yield runtime, fast
     runtime.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_prm(tmp_path_factory):
+    """A tiny random-weight Qwen2.5-Math-PRM-shaped checkpoint (seed 0), built once into a temporary folder."""
+    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
+
+    return build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_prm_runtime(tiny_prm, tmp_path_factory):
+    """The tiny PRM served as a step classifier on the runtime `classifier_runtime_config` describes (embedding
+    mode, our model class through SGLANG_EXTERNAL_MODEL_PACKAGE, no radix cache), shared by the PRM tests."""
+    from sgl_tts.runtime.server import Runtime, group_members
+    from sgl_tts.scoring.prm import classifier_runtime_config
+
+    runtime = Runtime.start(classifier_runtime_config(str(tiny_prm)), name="prm",
+                            log_dir=tmp_path_factory.mktemp("prm-logs"))
+    yield runtime
+    runtime.stop()
+    assert not group_members(runtime.process.pid), f"PRM runtime left processes behind: {runtime.log_path}"

@@ -105,6 +105,29 @@ def test_self_consistency_votes_with_no_more_tokens_than_the_search_spent():
     assert "p vs greedy" in table and "95% interval" in table
 
 
+def test_best_of_n_is_compared_with_the_majority_of_its_own_samples():
+    """No new draws: self-consistency's vote is over the search's candidates, at the search's very tokens."""
+    config = RunConfig(search=SearchConfig(program="best_of_n", n=4, max_steps=2, max_step_tokens=16, max_tokens=32))
+    session = ScriptedSession(config)
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(4)]
+    searched = list(session.solve_all(problems))
+    arms = run_comparison(session, problems, searched, log=lambda line: None)
+    greedy, sample, search_arm, sc_arm = arms
+    assert [p for p, _, r in session.solved if p == "self_consistency" and len(r.candidates) > 1] == []
+    solved = 0
+    for problem, result in searched:
+        votes = Counter(c.answer for c in result.candidates if c.answer is not None)
+        solved += bool(votes) and votes.most_common(1)[0][0] == problem.gold
+    assert sc_arm.solved == solved and sc_arm.tokens_per_problem == search_arm.tokens_per_problem
+    assert sc_arm.samples == f"{sum(len(r.candidates) for _, r in searched)} samples"
+    assert sc_arm.label == "self-consistency, the same samples"
+    # One sample at the search's temperature: each search's first sample, not a new draw.
+    assert sample.solved == sum(r.candidates[0].answer == p.gold for p, r in searched)
+    assert sample.tokens_per_problem == sum(r.candidates[0].tokens for _, r in searched) / len(problems)
+    drawn = [r for p, _, r in session.solved if p == "self_consistency"]
+    assert len(drawn) == len(problems), "greedy is the only arm drawn anew"
+
+
 def test_the_table_gives_wilson_intervals_tokens_per_solved_and_the_paired_test_against_greedy():
     from sgl_tts.app.compare import ArmSummary
     from sgl_tts.measure.stats import mcnemar_exact

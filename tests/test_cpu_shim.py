@@ -42,7 +42,7 @@ def test_no_compiler_and_an_unwritable_cache_are_clear(shim_cache, monkeypatch):
     blocker = shim_cache / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setattr(cpu_shim, "cache_dir", lambda: blocker)  # mkdir under a file fails, even as root
-    with pytest.raises(ShimBuildError, match=r"cannot build the CPU shim .*not-a-folder.*SGL_TTS_CACHE"):
+    with pytest.raises(ShimBuildError, match=r"cannot build the CPU shim .*not-a-folder.*SGLTTS_CACHE"):
         shim_dir()
 
 

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from sgl_tts import problems as datasets
+from sgl_tts.env_names import DATA, old_name
 from sgl_tts.problems import DatasetError, builtin_problems, data_root, load_problems
 
 needs_shared_data = pytest.mark.skipif(
@@ -17,7 +18,8 @@ def write_jsonl(path, lines):
 
 
 def test_default_data_root_is_beside_the_repository(monkeypatch):
-    monkeypatch.delenv("SGL_TTS_DATA", raising=False)
+    for name in (DATA, old_name(DATA)):
+        monkeypatch.delenv(name, raising=False)
     assert data_root() == datasets.repository_root().parent / "shared" / "data"
 
 
@@ -74,7 +76,7 @@ def test_slicing():
 def test_data_root_from_environment(tmp_path, monkeypatch):
     (tmp_path / "aime24").mkdir()
     write_jsonl(tmp_path / "aime24" / "test.jsonl", [json.dumps({"id": 1, "problem": "q", "answer": "007"})])
-    monkeypatch.setenv("SGL_TTS_DATA", str(tmp_path))
+    monkeypatch.setenv(DATA, str(tmp_path))
     assert [(p.id, p.gold) for p in load_problems("aime24")] == [("1", "7")]
 
 

@@ -15,13 +15,14 @@ from eval.experiment import load_experiment
 from eval.report import row_key
 from eval.results import ResultStore
 from eval.runner import EvalRun
+from sgl_tts.env_names import EVAL_TAG
 from sgl_tts.testing import processes_with_env
 
 
 @pytest.mark.runtime
 def test_real_runtime_run_with_a_killed_runtime(tmp_path, monkeypatch):
     tag = uuid.uuid4().hex
-    monkeypatch.setenv("SGL_TTS_EVAL_TAG", tag)  # inherited by the runtimes this test starts
+    monkeypatch.setenv(EVAL_TAG, tag)  # inherited by the runtimes this test starts
     config = {
         "name": "tiny", "max_restarts": 1,
         "base": {"generator": {"model": "tiny-random", "max_total_tokens": 8192, "extra_args": ["--enable-metrics"]},
@@ -52,7 +53,7 @@ def test_real_runtime_run_with_a_killed_runtime(tmp_path, monkeypatch):
     try:
         outcome = run.run()
     finally:
-        leftovers = processes_with_env("SGL_TTS_EVAL_TAG", tag)
+        leftovers = processes_with_env(EVAL_TAG, tag)
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
     assert killed, "the generator was killed mid-run"

@@ -272,8 +272,8 @@ def test_bench_cells_medians_ranges_and_claims():
         if speculation:
             extra["speculation"] = speculation
         return SearchResult(problem_id="p", program="beam_search", answer="4", candidates=[candidate],
-                            prompt_tokens=100, cached_tokens=90, total_time_s=seconds, generator_time_s=seconds,
-                            verifier_time_s=verifier_s, extra=extra)
+                            generated_tokens=tokens, prompt_tokens=100, cached_tokens=90, total_time_s=seconds,
+                            generator_time_s=seconds, verifier_time_s=verifier_s, extra=extra)
 
     # the verifier's hit: Σ cached / Σ input over every scorer call of every search (40 + 10) / (120 + 80)
     base = measure([result(10, 10.0, 2.5, verifier_calls=[(100, 40), (20, 0)]),
@@ -309,21 +309,43 @@ def test_bench_cells_medians_ranges_and_claims():
             FastTTSArm.parse(bad)
 
 
-def test_co_located_cpu_runtimes_split_the_cores():
+def test_co_located_cpu_runtimes_get_cores_by_what_they_do():
     from sgl_tts.runtime.server import RuntimeConfig, share_cpu_cores
 
-    alone = {"generator": RuntimeConfig()}
-    assert share_cpu_cores(alone, cores=2) == alone, "a single runtime keeps every core"
+    alone = share_cpu_cores({"generator": RuntimeConfig()}, cores=2)["generator"]
+    assert (alone.data_parallel, alone.cpu_threads) == (2, 1), "the generator: a single-threaded rank per core"
     pair = share_cpu_cores({"generator": RuntimeConfig(), "scorer": RuntimeConfig(max_total_tokens=8)}, cores=8)
-    assert [c.cpu_threads for c in pair.values()] == [4, 4]
-    assert all("OMP_WAIT_POLICY" not in c.env for c in pair.values()), "no more threads than cores"
+    assert [(c.data_parallel, c.cpu_threads) for c in pair.values()] == [(8, 1), (1, 1)]
+    assert all("OMP_WAIT_POLICY" not in c.env for c in pair.values()), "single-threaded: no barrier to wait at"
     assert pair["scorer"].max_total_tokens == 8, "other settings are kept"
     three = share_cpu_cores({"generator": RuntimeConfig(), "scorer": RuntimeConfig(),
                              "target": RuntimeConfig(cpu_threads=3, env={"OMP_WAIT_POLICY": "ACTIVE"})}, cores=2)
-    assert [c.cpu_threads for c in three.values()] == [1, 1, 3], "an explicit cpu_threads is kept"
+    assert [(c.data_parallel, c.cpu_threads) for c in three.values()] == [(2, 1), (1, 1), (None, 3)], \
+        "an explicit cpu_threads is kept"
     assert [c.env["OMP_WAIT_POLICY"] for c in three.values()] == ["PASSIVE", "PASSIVE", "ACTIVE"]
+    small = share_cpu_cores({"generator": RuntimeConfig(max_total_tokens=16000)}, cores=2)["generator"]
+    assert (small.data_parallel, small.cpu_threads) == (1, 1), "a budget below two ranks' minimum stays whole"
+    own = share_cpu_cores({"generator": RuntimeConfig(data_parallel=3)}, cores=2)["generator"]
+    assert (own.data_parallel, own.cpu_threads) == (3, 1), "an explicit data_parallel is kept"
+    one = share_cpu_cores({"generator": RuntimeConfig(data_parallel=1)}, cores=2)["generator"]
+    assert (one.data_parallel, one.cpu_threads) == (1, 1), "data_parallel: 1 keeps one process"
     gpu = {"generator": RuntimeConfig(device="cuda"), "scorer": RuntimeConfig()}
-    assert share_cpu_cores(gpu, cores=2) == gpu, "one CPU runtime beside a GPU one keeps every core"
+    planned = share_cpu_cores(gpu, cores=2)
+    assert planned["generator"] == gpu["generator"] and planned["scorer"].cpu_threads == 1
+
+
+def test_data_parallel_ranks_share_the_kv_budget_and_name_their_cores():
+    from sgl_tts.runtime.server import RuntimeConfig, server_command, server_env
+
+    config = RuntimeConfig(max_total_tokens=16384, data_parallel=2, cpu_threads=1)
+    command = server_command(config, "/model", 1234)
+    assert command[command.index("--dp-size") + 1] == "2"
+    assert command[command.index("--max-total-tokens") + 1] == "8192", "the config's budget is the runtime's total"
+    assert server_env(config)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert server_env(RuntimeConfig(data_parallel=2, cpu_threads=2))["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    single = server_command(RuntimeConfig(max_total_tokens=100), "/model", 1234)
+    assert "--dp-size" not in single and single[single.index("--max-total-tokens") + 1] == "100"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(RuntimeConfig())
 
 
 def test_each_n_runs_at_a_fraction_of_its_working_set():

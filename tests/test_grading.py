@@ -4,7 +4,8 @@ import time
 import pytest
 
 from sgl_tts.search import grading
-from sgl_tts.search.grading import GradingError, answers_equal, extract_answer, grade, normalize_answer
+from sgl_tts.search.grading import (GradingError, answers_equal, extract_answer, grade, graded_answer,
+                                    normalize_answer)
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,35 @@ def test_grade():
         grade("x", "y", "humaneval")
     with pytest.raises(GradingError, match="no gold"):
         grade("1", None, "math500")
+
+
+@pytest.mark.parametrize(
+    "predicted, gold, expected",
+    [
+        ("7 + 2 = 9", "9", "9"),  # the value of the equation is what is graded
+        ("x = 5", "5", "5"),
+        ("a = b = \\frac{1}{2}", "0.5", "\\frac{1}{2}"),
+        ("7 + 2 = 9", None, "9"),
+        ("y = 2x + 3", "y = 2x + 3", "y = 2x + 3"),  # a gold equation is compared with the whole equation
+        ("x = 1, y = 2", "2", "x = 1, y = 2"),  # a list of equations stays whole
+        ("f(x = 1)", "1", "f(x = 1)"),  # `=` inside brackets
+        ("1 < x = 2", "2", "1 < x = 2"),  # another relation in the chain
+        ("x \\leq 3", "3", "x \\leq 3"),
+        ("x =", "5", "x ="),  # an empty side
+        ("9", "9", "9"),
+        (None, "9", None),
+    ],
+)
+def test_graded_answer(predicted, gold, expected):
+    assert graded_answer(predicted, gold) == expected
+
+
+def test_an_equation_is_graded_by_its_value_without_math_verify(monkeypatch):
+    def fail(*args):
+        raise AssertionError("the value of the equation compares as a plain number")
+
+    monkeypatch.setattr(grading, "_math_verify_equal", fail)
+    assert grade("7 + 2 = 9", "9") and not grade("7 + 2 = 10", "9") and grade("x = 5", "5")
 
 
 def test_over_long_answers_skip_math_verify(monkeypatch):

@@ -71,6 +71,13 @@ def test_problem_metrics():
     assert (row["generator_time_s"], row["verifier_time_s"], row["total_time_s"]) == (3.0, 1.0, 4.5)
 
 
+def test_problem_metrics_store_the_graded_value_and_keep_the_extracted_text():
+    result = search_result(answer="7 + 2 = 9", candidates=[candidate("7 + 2 = 9", 0.5, 10, 1.0)])
+    row = problem_metrics(result, gold="9")
+    assert row["answer"] == "9" and row["answer_text"] == "7 + 2 = 9" and row["correct"] is True
+    assert row["majority_answer"] == row["weighted_answer"] == row["best_answer"] == "9"
+
+
 def test_problem_metrics_default_pass_at_candidate_count_and_no_gold():
     row = problem_metrics(search_result(), gold="4", grade_fn=exact_grade)
     assert row["pass@4"] is True

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from sgl_tts.env_names import NOTEBOOK_MODEL, NOTEBOOK_TAG, read
 from sgl_tts.testing import processes_with_env
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -21,15 +22,15 @@ def test_quickstart_runs_headless_and_shows_tree_and_plot(tmp_path, monkeypatch)
     from nbclient import NotebookClient
 
     tag = uuid.uuid4().hex
-    monkeypatch.setenv("SGL_TTS_NOTEBOOK_MODEL", os.environ.get("SGL_TTS_NOTEBOOK_MODEL", "tiny-random"))
-    monkeypatch.setenv("SGL_TTS_NOTEBOOK_TAG", tag)
+    monkeypatch.setenv(NOTEBOOK_MODEL, read(NOTEBOOK_MODEL) or "tiny-random")
+    monkeypatch.setenv(NOTEBOOK_TAG, tag)
     notebook = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
     client = NotebookClient(notebook, kernel_name="python3", timeout=900,
                             resources={"metadata": {"path": str(tmp_path)}})
     try:
         client.execute()  # raises CellExecutionError naming the cell if any cell fails
     finally:
-        leftovers = processes_with_env("SGL_TTS_NOTEBOOK_TAG", tag)
+        leftovers = processes_with_env(NOTEBOOK_TAG, tag)
         for pid in leftovers:  # only processes this test's kernel started
             try:
                 os.kill(pid, 9)

@@ -28,7 +28,7 @@ def test_a_file_that_exists_wins_over_a_packaged_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cpu-default.yaml").write_text("search:\n  n: 7\n")
     assert load_run_config("cpu-default.yaml").search.n == 7
-    assert load_run_config("cpu-default").search.n == 4, "no file 'cpu-default' here: the packaged one"
+    assert load_run_config("cpu-default").search.n == 16, "no file 'cpu-default' here: the packaged one"
 
 
 def test_an_unknown_config_lists_the_packaged_ones(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from policies import PrefixAwareOrder
 from policies import plugin
 from policies.base import BeamTag, encode_rid
+from sgl_tts import env_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,4 +153,40 @@ def test_hook_through_sglangs_own_hook_registry():
         assert parents(queue) == [0, 0, 1, 1, 2, 2, "u"]
     finally:
         FakeSchedulePolicy.calc_priority = original
+        HookRegistry.reset()
+
+
+def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp_path):
+    import importlib as importer
+
+    registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    from policies import cpu_attention, idle_wait, step_timing
+
+    HookRegistry = registry_module.HookRegistry
+    monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
+    monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.BATCHED)
+    monkeypatch.setenv(env_names.STEP_TRACE, str(tmp_path / "steps.jsonl"))
+    HookRegistry.reset()
+    try:
+        plugin.register()
+        registered = {target: [kind.name for kind, _, _ in hooks] for target, hooks in HookRegistry._hooks.items()}
+    finally:
+        HookRegistry.reset()
+    assert registered == {cpu_attention.TARGET: ["AROUND"], idle_wait.TARGET: ["REPLACE"],
+                          step_timing.RUN_BATCH: ["AROUND"], step_timing.MODEL_FORWARD: ["AROUND"]}
+    for target in registered:  # every target is an attribute of the installed SGLang
+        module, cls, method = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importer.import_module(module), cls), method)), target
+
+
+def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
+    registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    HookRegistry = registry_module.HookRegistry
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.STEP_TRACE):
+        monkeypatch.delenv(name, raising=False)
+    HookRegistry.reset()
+    try:
+        plugin.register()
+        assert dict(HookRegistry._hooks) == {}
+    finally:
         HookRegistry.reset()

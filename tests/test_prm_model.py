@@ -1,17 +1,14 @@
 """The step-classifier PRM class served by a real SGLang CPU runtime equals the transformers reference.
 
-A tiny random-weight Qwen2.5-Math-PRM-shaped checkpoint is built into a temporary folder; the runtime
-loads `Qwen2ForProcessRewardModel` from `sgl_tts.scoring.prm_models` through SGLANG_EXTERNAL_MODEL_PACKAGE.
+A tiny random-weight Qwen2.5-Math-PRM-shaped checkpoint is built into a temporary folder; the runtime (the
+session's `tiny_prm_runtime`, shared with the classifier scorer's tests) loads `Qwen2ForProcessRewardModel` from
+`sgl_tts.scoring.prm_models` through SGLANG_EXTERNAL_MODEL_PACKAGE.
 """
 
 from __future__ import annotations
 
-import time
-import urllib.error
-
 import pytest
 
-from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
 from sgl_tts.scoring.prm_models.client import (
     batch_classifier_step_rewards,
     build_prm_text,
@@ -31,11 +28,6 @@ PROBLEMS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_prm(tmp_path_factory):
-    return build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_prm):
     from sgl_tts.scoring.prm_models.reference import ReferencePRM
 
@@ -43,37 +35,8 @@ def reference(tiny_prm):
 
 
 @pytest.fixture(scope="module")
-def prm_url(tiny_prm, tmp_path_factory):
-    from sgl_tts.runtime.server import Runtime, RuntimeConfig, group_members
-
-    config = RuntimeConfig(
-        model=str(tiny_prm), is_embedding=True, extra_args=list(SERVER_ARGS), env=dict(EXTERNAL_MODEL_ENV),
-        # Without chunked prefill SGLang's default static fraction reserves max_prefill_tokens * 1.5 MB of
-        # activations and goes negative on a small host, so both memory knobs are set here.
-        mem_fraction_static=0.3, max_total_tokens=16384,
-    )
-    # Runtime.wait_ready probes /generate, which an embedding runtime refuses: probe /encode instead.
-    runtime = Runtime.start(config, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs"), wait=False)
-    try:
-        _wait_encode_ready(runtime, config.startup_timeout_s)
-        yield runtime.url
-    finally:
-        runtime.stop()
-        assert not group_members(runtime.process.pid), f"PRM runtime left processes behind: {runtime.log_path}"
-
-
-def _wait_encode_ready(runtime, timeout_s: float) -> None:
-    from sgl_tts.runtime.server import http_json
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert runtime.alive(), f"PRM runtime exited during start-up:\n{runtime.log_tail()}"
-        try:
-            http_json(runtime.url + "/encode", {"text": "ready?"}, timeout=30)
-            return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            time.sleep(1.0)
-    raise AssertionError(f"PRM runtime not ready after {timeout_s:.0f} s:\n{runtime.log_tail()}")
+def prm_url(tiny_prm_runtime):
+    return tiny_prm_runtime.url
 
 
 def _max_abs_diff(a: list[float], b: list[float]) -> float:

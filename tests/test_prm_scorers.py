@@ -1,7 +1,7 @@
 """PRM scorers behind the StepScorer interface: layouts, config, and scores against transformers references.
 
 The logprob-tag scorers run on the shared tiny random-weight runtime and are compared with the model-card
-recipes computed by transformers on the same weights; the classifier scorer runs on a tiny random-weight
+recipes computed by transformers on the same weights; the classifier scorer runs on the shared tiny random-weight
 Qwen2.5-Math-PRM-shaped runtime and is compared with `ReferencePRM`.
 """
 
@@ -305,21 +305,18 @@ def test_rlhflow_scores_match_transformers(tiny_runtime, tokenizer, reference_mo
 
 
 @pytest.mark.runtime
-def test_classifier_scorer_matches_reference_prm(tmp_path_factory):
+def test_classifier_scorer_matches_reference_prm(tiny_prm, tiny_prm_runtime):
     from transformers import AutoTokenizer
 
     from sgl_tts.scoring.prm_models.client import build_prm_text
     from sgl_tts.scoring.prm_models.reference import ReferencePRM
-    from sgl_tts.scoring.prm_models.tiny import build_tiny_prm
-    from sgl_tts.runtime.server import Runtime
 
-    model_dir = build_tiny_prm(tmp_path_factory.mktemp("tiny-prm"), seed=0)
-    config = ScorerConfig(kind="classifier", runtime=classifier_runtime_config(str(model_dir)))
-    reference = ReferencePRM(model_dir)
+    config = ScorerConfig(kind="classifier", runtime=classifier_runtime_config(str(tiny_prm)))
+    assert tiny_prm_runtime.config == config.runtime, "the shared runtime is the one this scorer config starts"
+    reference = ReferencePRM(tiny_prm)
     prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
-    with Runtime.start(config.runtime, name="prm", log_dir=tmp_path_factory.mktemp("prm-logs")) as runtime:
-        scorer = make_scorer(config, runtime, AutoTokenizer.from_pretrained(model_dir))
-        served = scorer.score(prompt, PATHS)
+    scorer = make_scorer(config, tiny_prm_runtime, AutoTokenizer.from_pretrained(tiny_prm))
+    served = scorer.score(prompt, PATHS)
     for steps, got in zip(PATHS, served):
         want = reference.step_rewards(build_prm_text(QUESTION, steps))
         assert len(got) == len(steps) and got == pytest.approx(want, abs=TOLERANCE), f"{got} vs {want}"

@@ -7,7 +7,10 @@ import types
 import pytest
 
 from eval import results
-from eval.results import ResultStore, config_hash, package_versions, provenance
+from eval.results import ResultStore, config_hash, package_versions, provenance, result_line
+from sgl_tts.measure.metrics import aggregate_rows
+from sgl_tts.problems import Problem
+from sgl_tts.search.records import Candidate, SearchResult
 
 
 def strict_json(line):
@@ -36,6 +39,28 @@ def test_resume_from_a_new_store(tmp_path):
     ResultStore(path).append({"problem_id": "b"})
     assert ResultStore(path).done_ids() == {"a", "b"}
     assert ResultStore(tmp_path / "absent.jsonl").done_ids() == set()
+
+
+def test_a_result_line_stores_the_graded_value_and_old_lines_without_it_still_load(tmp_path):
+    candidate = Candidate(steps=["7 + 2 = 9"], step_scores=[0.5], score=0.5, answer="7 + 2 = 9", tokens=5,
+                          completion_time_s=1.0, finish_reason="answer")
+    result = SearchResult(problem_id="p1", program="best_of_n", answer="7 + 2 = 9", candidates=[candidate],
+                          generated_tokens=5, total_time_s=1.0)
+    row = result_line(Problem("p1", "7 + 2?", "9"), result, None, arm="a", dataset="builtin",
+                      dataset_name="builtin", n=1, seed=0, repetition=0)
+    assert row["metrics"]["answer"] == "9" and row["metrics"]["answer_text"] == "7 + 2 = 9"
+    assert row["metrics"]["correct"] is True and row["result"]["answer"] == "7 + 2 = 9"
+    old = json.loads(json.dumps(row))
+    old["problem_id"] = "p0"
+    del old["metrics"]["answer_text"]  # a line written before answers were stored as graded
+    old["metrics"]["answer"] = "7 + 2 = 9"
+    store = ResultStore(tmp_path / "results.jsonl")
+    store.append(old)
+    store.append(row)
+    records = ResultStore(store.path).records()
+    assert store.done_ids() == {"p0", "p1"} and [r["metrics"].get("answer_text") for r in records] == [None,
+                                                                                                       "7 + 2 = 9"]
+    assert aggregate_rows([r["metrics"] for r in records])["accuracy"]["correct"] == 1.0
 
 
 def test_torn_last_line_is_ignored_and_next_append_starts_fresh(tmp_path):

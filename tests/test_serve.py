@@ -1,5 +1,6 @@
 """`sgl-tts serve` on the scripted backend (no SGLang runtime): the OpenAI format, validation, the key, the
-bound, streaming, cancellation; checked against the same program run directly."""
+bound, streaming, cancellation, chats through the tokenizer's chat template; checked against the same program
+run directly."""
 
 import dataclasses
 import json
@@ -31,14 +32,14 @@ def prompt(question):
     return f"Q: {question}\n\n"
 
 
-def scripted_runtimes(backend=None):
+def scripted_runtimes(backend=None, prompt=prompt):
     return Runtimes(generator=backend or ScriptedBackend(), scorer=ScriptedScorer(), prompt=prompt)
 
 
-def direct(program, question, search):
+def direct(program, question, search, prompt=prompt):
     """The reference: the same program on a fresh scripted backend, without the server."""
     problem = Problem(id="direct", question=question, gold=None)
-    return load_program(program)(problem, search, scripted_runtimes())
+    return load_program(program)(problem, search, scripted_runtimes(prompt=prompt))
 
 
 class GatedBackend(ScriptedBackend):
@@ -338,12 +339,11 @@ def test_the_search_context_tracks_the_lineage_rids_in_flight_and_refuses_after_
 
 
 def test_replicas_count_in_the_core_split():
-    two = share_cpu_cores({"generator": RuntimeConfig(replicas=2)}, cores=2)
-    assert two["generator"].cpu_threads == 1 and "OMP_WAIT_POLICY" not in two["generator"].env
-    three = share_cpu_cores({"generator": RuntimeConfig(replicas=2), "scorer": RuntimeConfig(max_total_tokens=8)},
-                            cores=2)
-    assert [c.cpu_threads for c in three.values()] == [1, 1]
-    assert all(c.env["OMP_WAIT_POLICY"] == "PASSIVE" for c in three.values()), "3 servers on 2 cores"
+    two = share_cpu_cores({"generator": RuntimeConfig(replicas=2)}, cores=2)["generator"]
+    assert (two.cpu_threads, two.data_parallel) == (1, 1) and "OMP_WAIT_POLICY" not in two.env, "a core a replica"
+    four = share_cpu_cores({"generator": RuntimeConfig(replicas=2), "scorer": RuntimeConfig(max_total_tokens=8)},
+                           cores=4)
+    assert [(c.cpu_threads, c.data_parallel) for c in four.values()] == [(1, 2), (1, 1)]
     with pytest.raises(ValueError, match="replicas"):
         RuntimeConfig(replicas=0)
 
@@ -406,7 +406,7 @@ CONTEXT_TOKENS = 9_000  # the bounded server's generator context (scripted promp
 
 @pytest.fixture(scope="module")
 def bounded():
-    service = SearchService(scripted_runtimes(), DEFAULTS, max_searches=4, prompt_tokens=lambda q: len(prompt(q)),
+    service = SearchService(scripted_runtimes(), DEFAULTS, max_searches=4, prompt_tokens=len,
                             context_tokens=CONTEXT_TOKENS)
     http = HTTPServer(create_app(service)).start()
     yield service, http
@@ -453,12 +453,22 @@ REFUSED = [  # (case, method, path, raw body, status, param, words of the messag
      "over the limit 1048576 bytes"),
     ("unknown field", "POST", "/v1/chat/completions", chat(frequency_penalty=0.5), 400, "frequency_penalty",
      "unknown field 'frequency_penalty'"),
-    ("system message", "POST", "/v1/chat/completions",
-     chat(messages=[{"role": "system", "content": "Be brief."}, *ask()]), 400, "messages[0]",
-     "role 'system') would be dropped"),
-    ("earlier turns", "POST", "/v1/chat/completions",
-     chat(messages=[*ask(), {"role": "assistant", "content": "4"}, *ask("And 3 + 3?")]), 400, "messages[1]",
-     "role 'assistant') would be dropped"),
+    ("unknown role", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "tool", "content": "4"}, *ask()]), 400, "messages[0].role", "unknown role 'tool'"),
+    ("system message after the first", "POST", "/v1/chat/completions",
+     chat(messages=[*ask(), {"role": "system", "content": "Be brief."}, *ask("And 3 + 3?")]), 400,
+     "messages[1].role", "only the first message may be a system message"),
+    ("last message not the user's", "POST", "/v1/chat/completions",
+     chat(messages=[*ask(), {"role": "assistant", "content": "4"}]), 400, "messages[1].role",
+     "the last message must have role 'user'"),
+    ("earlier turn over the limit", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "assistant", "content": "7" * 70_000}, *ask()]), 400, "messages[0].content",
+     "70000 characters, above the limit 65536"),
+    ("assistant turn without text", "POST", "/v1/chat/completions",
+     chat(messages=[*ask(), {"role": "assistant", "content": None}, *ask()]), 400, "messages[1].content",
+     "must be a string or a list of text parts"),
+    ("a chat, on a prompt of one question", "POST", "/v1/chat/completions",  # this server's prompt is a function
+     chat(messages=[{"role": "system", "content": "Be brief."}, *ask()]), 400, "messages", "takes one question"),
     ("stop", "POST", "/v1/chat/completions", chat(stop=["\n"]), 400, "stop", "'stop' is not supported"),
     ("record_tree", "POST", "/v1/chat/completions", chat(record_tree=True), 400, "record_tree",
      "not available per request"),
@@ -512,7 +522,7 @@ def test_include_usage_sends_the_usage_last_in_a_chunk_without_choices(bounded):
 
 def test_an_unexpected_error_is_a_500_in_the_openai_error_shape():
     class Broken(SearchService):
-        def check_prompt(self, question, search):
+        def check_prompt(self, question, search, chat):
             raise RuntimeError("tokenizer went away")
 
     service = Broken(scripted_runtimes(), DEFAULTS, max_searches=1)
@@ -526,4 +536,176 @@ def test_an_unexpected_error_is_a_500_in_the_openai_error_shape():
         assert httpx.get(http.url + "/health", timeout=60).json()["status"] == "ok"
     finally:
         http.stop()
+        service.close()
+
+
+# ---- chats: a system message and earlier turns through the generator's chat template ----
+
+SYSTEM = "You are a terse tutor. Give the final number in a box."
+HISTORY = [{"role": "user", "content": "What is 2 + 2?"},
+           {"role": "assistant", "content": "2 + 2 = 4. The answer is $\\boxed{4}$."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from sgl_tts.runtime.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+
+
+@pytest.fixture(scope="module")
+def chat_server(tokenizer):
+    """A server whose prompt is the tiny model's chat template (`ChatPrompt`, as `sgl-tts serve` has it), on the
+    scripted backend: its requests are the prompts the generator received."""
+    from sgl_tts.frontend.backend import ChatPrompt
+
+    backend = ScriptedBackend()
+    service = SearchService(scripted_runtimes(backend, ChatPrompt(tokenizer)), DEFAULTS, max_searches=4)
+    http = HTTPServer(create_app(service, KEY)).start()
+    yield backend, http
+    http.stop()
+    service.close()
+
+
+def template_prompt(tokenizer, messages, generation=True):
+    """The reference: OpenAI `messages` through the tokenizer's chat template, after the solver's system prompt
+    when they have no system message."""
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT
+
+    if messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+
+def prompt_sent(backend, since):
+    """The prompt of the generator requests after the first `since`: every request text begins with it, and
+    a path's first step is sent on it alone."""
+    texts = [request["text"] for request in backend.requests[since:]]
+    sent = min(texts, key=len)
+    assert all(text.startswith(sent) for text in texts), "one prompt for the whole search"
+    return sent
+
+
+def assert_the_search_reply(reply, expected):
+    assert reply.object == "chat.completion" and len(reply.choices) == 1
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == selected_candidate(expected).text
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens == expected.generated_tokens
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.model_extra["sgl_tts"]["answer"] == expected.answer
+
+
+def test_a_system_message_replaces_the_solvers_system_prompt(chat_server, tokenizer):
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT
+
+    backend, http = chat_server
+    question = "What is 6 * 7?"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    since = len(backend.requests)
+    reply = client(http).chat.completions.create(model="beam_search", messages=messages)
+    sent = prompt_sent(backend, since)
+    assert sent == template_prompt(tokenizer, messages)
+    assert SYSTEM in sent and SYSTEM_PROMPT not in sent, "in place of the default"
+    assert_the_search_reply(reply, direct("beam_search", question, DEFAULTS, prompt=lambda q: sent))
+
+
+def test_earlier_turns_come_before_the_question_in_order(chat_server, tokenizer):
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT
+
+    backend, http = chat_server
+    question = "And 3 + 3?"
+    messages = [*HISTORY, {"role": "user", "content": question}]
+    since = len(backend.requests)
+    reply = client(http).chat.completions.create(model="best_of_n", n=3, messages=messages)
+    sent = prompt_sent(backend, since)
+    assert sent == template_prompt(tokenizer, messages), "the solver's system prompt first, as without turns"
+    places = [sent.index(text) for text in (SYSTEM_PROMPT, HISTORY[0]["content"], HISTORY[1]["content"], question)]
+    assert places == sorted(places), "the turns in order, the question last"
+    chat_so_far = template_prompt(tokenizer, messages, generation=False)
+    assert sent.startswith(chat_so_far) and len(sent) > len(chat_so_far), \
+        "the search continues the generation prompt after the last user turn"
+    search = dataclasses.replace(DEFAULTS, program="best_of_n", n=3)
+    assert_the_search_reply(reply, direct("best_of_n", question, search, prompt=lambda q: sent))
+
+
+def test_a_streamed_chat_with_a_system_message_and_turns(chat_server, tokenizer):
+    backend, http = chat_server
+    question = "And 5 + 5?"
+    messages = [{"role": "system", "content": SYSTEM}, *HISTORY, {"role": "user", "content": question}]
+    since = len(backend.requests)
+    stream = client(http).chat.completions.create(model="beam_search", messages=messages, stream=True,
+                                                  stream_options={"include_usage": True})
+    *chunks, usage_chunk = list(stream)
+    sent = prompt_sent(backend, since)
+    assert sent == template_prompt(tokenizer, messages)
+    expected = direct("beam_search", question, DEFAULTS, prompt=lambda q: sent)
+    events = [c.model_extra.get("sgl_tts", {}).get("event") for c in chunks]
+    assert events[0] == "start" and events[-1] == "finish" and events.count("progress") == expected.verifier_calls
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == selected_candidate(expected).text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra["sgl_tts"]["answer"] == expected.answer
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == expected.generated_tokens
+
+
+def test_the_messages_become_the_question_and_the_chat_before_it():
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT, Chat, Turn
+    from sgl_tts.serve.protocol import parse_messages
+
+    turns = (Turn("user", HISTORY[0]["content"]), Turn("assistant", HISTORY[1]["content"]))
+    last = {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "3 + 3?"}]}
+    system = {"role": "system", "content": SYSTEM}
+    assert parse_messages([system, *HISTORY, last]) == ("And 3 + 3?", Chat(SYSTEM, turns))
+    assert parse_messages([{"role": "developer", "content": SYSTEM}, last]) == ("And 3 + 3?", Chat(SYSTEM))
+    assert parse_messages([*HISTORY, last]) == ("And 3 + 3?", Chat(SYSTEM_PROMPT, turns))
+    assert parse_messages([last]) == ("And 3 + 3?", Chat()), "one question: the prompt of before"
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is 6 * 7?"}],
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 6 * 7?"}],
+    [*HISTORY, {"role": "user", "content": "And 3 + 3?"}],
+    [{"role": "system", "content": SYSTEM}, *HISTORY, {"role": "user", "content": "Why?"},
+     {"role": "assistant", "content": "Because 2 and 2 make 4."}, {"role": "user", "content": "And 3 + 3?"}],
+], ids=["question", "system", "turns", "system and turns"])
+def test_chat_prompt_is_the_tokenizers_chat_template(tokenizer, messages):
+    from sgl_tts.frontend.backend import ChatPrompt, chat_prompt
+    from sgl_tts.serve.protocol import parse_messages
+
+    question, chat = parse_messages(messages)
+    assert chat_prompt(tokenizer, question, chat) == template_prompt(tokenizer, messages)
+    assert ChatPrompt(tokenizer, chat)(question) == template_prompt(tokenizer, messages)
+
+
+def test_chat_prompt_without_a_chat_template_is_the_plain_format():
+    from sgl_tts.frontend.backend import SYSTEM_PROMPT, Chat, Turn, chat_prompt
+
+    class NoTemplate:
+        chat_template = None
+
+    assert chat_prompt(NoTemplate(), "q?") == f"{SYSTEM_PROMPT}\n\nQuestion: q?\n\nAnswer:\n"
+    chat = Chat("S.", (Turn("user", "a?"), Turn("assistant", "b.")))
+    assert chat_prompt(NoTemplate(), "q?", chat) == "S.\n\nQuestion: a?\n\nAnswer:\nb.\n\nQuestion: q?\n\nAnswer:\n"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_refusal_naming_them():
+    from jinja2 import TemplateError
+
+    from sgl_tts.config import ConfigError
+    from sgl_tts.frontend.backend import Chat, ChatPrompt, Turn
+
+    class Alternating:  # a template's raise_exception, as in chat templates that want user/assistant turns
+        chat_template = "..."
+
+        def apply_chat_template(self, messages, **kwargs):
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    service = SearchService(scripted_runtimes(prompt=ChatPrompt(Alternating())), DEFAULTS, max_searches=1)
+    try:
+        with pytest.raises(ConfigError, match="roles must alternate") as refused:
+            service.check_prompt("q?", DEFAULTS, Chat(turns=(Turn("assistant", "a."),)))
+        assert refused.value.key == "messages"
+    finally:
         service.close()

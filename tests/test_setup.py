@@ -35,7 +35,7 @@ PIP_ERROR = "ERROR: Could not find a version that satisfies the requirement sgla
 
 
 def fake_setup(tmp_path, pip_status, venv_python):
-    """A copy of scripts/setup.sh and pyproject.toml, a temporary SGL_TTS_CACHE, `pip` on PATH answering with
+    """A copy of scripts/setup.sh and pyproject.toml, a temporary SGLTTS_CACHE, `pip` on PATH answering with
     `pip_status` (pip's error on failure, the harmless `WARNING: Location` line always), and a PYTHON whose
     `-m venv` makes an environment of that pip and `venv_python`: nothing real is installed or touched."""
     checkout, bin_dir, cache = tmp_path / "checkout", tmp_path / "bin", tmp_path / "cache"
@@ -51,7 +51,7 @@ def fake_setup(tmp_path, pip_status, venv_python):
                                    f'ln -s "$(command -v pip)" "$3/bin/pip"; ln -s "{venv_python}" "$3/bin/python"; '
                                    f'exit 0; fi\nexec "{sys.executable}" "$@"')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
-           "SGL_TTS_CACHE": str(cache), "HOME": str(tmp_path)}
+           "SGLTTS_CACHE": str(cache), "HOME": str(tmp_path)}
     done = subprocess.run(["bash", str(checkout / "scripts/setup.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
     return done, checkout, cache

@@ -28,6 +28,12 @@ def test_console_table_pads_fits_and_overflows():
     assert format_row([Column("a", 2), Column("b", 2, "<")], ["1", "2"]) == " 1 2 "
 
 
+def test_the_run_report_shows_the_graded_value_of_an_answer(capsys):
+    result = SearchResult(problem_id="p1", program="best_of_n", answer="7 + 2 = 9", candidates=[], total_time_s=1.0)
+    assert print_run([(SimpleNamespace(id="p1", gold="9"), result)], None) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["p1", "9", "9", "yes"]
+
+
 def test_markdown_table():
     assert markdown_table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
 
@@ -178,9 +184,9 @@ def test_sweep_comparison_and_run_tables(capsys):
         "-------------------------------------------------------------------------\n"
         "p1                    4            4 yes      30     3.0    10.00     40%\n"
         "a-very-long-p… 1234567…         12 3  no 1234567 12345.6   100.00     40%  error: boom\n"
-        "p3                    -            -  no       0     0.5     0.00     40%\n"
+        "p3                    -            -  no       0     0.5        -     40%\n"  # no tokens, no goodput (nor in the mean)
         "-------------------------------------------------------------------------\n"
-        "solved 1/3 (33%) | generated tokens 1234597 | precise goodput mean 36.67 tok/s | latency p50 3.0 s | generator 9262 s, verifier 3087 s | prefix cache hit 40%\n"
+        "solved 1/3 (33%) | generated tokens 1234597 | precise goodput mean 55.00 tok/s | latency p50 3.0 s | generator 9262 s, verifier 3087 s | prefix cache hit 40%\n"
         "problem            gold       answer  ok  tokens  time s  goodput  cached\n"
         "-------------------------------------------------------------------------\n"
         "no problems\n"

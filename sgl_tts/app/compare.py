@@ -2,12 +2,14 @@
 
 Two references, then two arms (three when asked), on the same problems, after one another:
 0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
-   search's temperature;
+   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, each search's first sample: no new draw);
 1. the configured search (the CPU default: best-of-N with its verifier, FastTTS switches as configured);
-2. self-consistency (majority vote, no verifier) at matched generated tokens, on the same runtimes: it draws
-   about as many whole solutions per problem as arm 1's tokens pay for (`samples_to_match`), and its vote
-   counts the first samples, in launch order, whose tokens add up to no more than arm 1 spent on that
-   problem (`matched_vote`);
+2. self-consistency (majority vote, no verifier) at matched generated tokens. When arm 1's candidates are
+   independent whole solutions (best-of-N, `WHOLE_SAMPLE_PROGRAMS`) it is the majority of those very samples:
+   the same tokens, and the verifier's choice paired sample for sample with the plain vote. Otherwise, on the
+   same runtimes, it draws about as many whole solutions per problem as arm 1's tokens pay for
+   (`samples_to_match`), and its vote counts the first samples, in launch order, whose tokens add up to no
+   more than arm 1 spent on that problem (`matched_vote`);
 3. with `fasttts_off`: the configured search with the FastTTS switches (P, M, S) turned off, on runtimes
    restarted for it.
 Each arm runs once: the goodput ratio of 3 against 1 is one run's, not a claim (`sgl-tts bench fasttts`
@@ -24,12 +26,30 @@ import statistics
 from typing import Any, Sequence
 
 from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
-from sgl_tts.measure.tables import Column, console_table
+from sgl_tts.measure.metrics import mean_goodput
+from sgl_tts.measure.tables import Column, console_table, number_cell
 from sgl_tts.search.grading import grade
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.selection import majority_vote
 
 SC_MAX_SAMPLES = 16  # self-consistency's largest draw per problem
+# Programs whose candidates are independent whole solutions drawn from the one prompt: a majority vote over them
+# is self-consistency at exactly the search's tokens, paired sample for sample with its verifier's choice.
+WHOLE_SAMPLE_PROGRAMS = ("best_of_n", "self_consistency")
+
+
+def first_sample(result: SearchResult) -> SearchResult:
+    """`result` cut to its first candidate: one sample at the search's temperature, its tokens and its time."""
+    if not result.candidates:
+        return dataclasses.replace(result, answer=None, generated_tokens=0)
+    sample = result.candidates[0]
+    return dataclasses.replace(result, candidates=[sample], answer=sample.answer, generated_tokens=sample.tokens,
+                               total_time_s=sample.completion_time_s)
+
+
+def majority_of_samples(result: SearchResult) -> SearchResult:
+    """`result` answered by the plain majority of its candidates' answers (no verifier)."""
+    return dataclasses.replace(result, answer=majority_vote([c.answer for c in result.candidates]))
 
 
 def samples_to_match(result: SearchResult, max_tokens: int) -> int:
@@ -60,7 +80,7 @@ class ArmSummary:
     label: str
     correct: tuple[bool, ...]  # per problem, in the problems' order
     tokens_per_problem: float
-    goodput: float  # mean precise goodput, tok/s
+    goodput: float | None  # mean precise goodput, tok/s (None: no result has one)
     p50_latency_s: float
     samples: str = ""  # self-consistency: samples counted of drawn
     generated_tokens: int = 0
@@ -70,7 +90,7 @@ class ArmSummary:
         results = [r for _, r in pairs]
         return cls(label, tuple(p.gold is not None and grade(r.answer, p.gold) for p, r in pairs),
                    statistics.fmean(r.generated_tokens for r in results),
-                   statistics.fmean(r.precise_goodput for r in results),
+                   mean_goodput(results),
                    statistics.median(r.total_time_s for r in results), samples,
                    sum(r.generated_tokens for r in results))
 
@@ -99,7 +119,7 @@ def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None =
         row = [arm.label + (f" ({arm.samples})" if arm.samples else ""), f"{arm.solved}/{arm.problems}",
                f"{low:.2f}-{high:.2f}", f"{arm.tokens_per_problem:.0f}",
                f"{arm.tokens_per_solved:.0f}" if arm.tokens_per_solved is not None else "-",
-               f"{arm.goodput:.2f}", f"{arm.p50_latency_s:.1f}"]
+               number_cell(arm.goodput), f"{arm.p50_latency_s:.1f}"]
         if reference is not None:
             row.append("-" if arm is reference else f"{mcnemar_exact(reference.correct, arm.correct).p_value:.3f}")
         rows.append(row)
@@ -116,24 +136,26 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     config = session.config
     search_label = f"{config.search.program} n={config.search.n}, {config.scorer.kind} verifier"
     one = dataclasses.replace(config.search, program="self_consistency", n=1)
-    log("\ngreedy (one answer at temperature 0) and one sample, the references")
+    whole_samples = config.search.program in WHOLE_SAMPLE_PROGRAMS
+    log("\ngreedy (one answer at temperature 0), the reference" + (
+        f"; one sample at temperature {one.temperature:g}: each search's first sample" if whole_samples else
+        ", and one sample at the search's temperature"))
+    # One answer per problem is a small batch: every problem at once keeps the engine's batch full.
     arms = [ArmSummary.of("greedy, one answer",
-                          list(session.solve_all(problems, search=lambda p: dataclasses.replace(one, temperature=0.0)))),
+                          list(session.solve_all(problems, search=lambda p: dataclasses.replace(one, temperature=0.0),
+                                                 concurrency=len(problems)))),
             ArmSummary.of(f"one sample, temperature {one.temperature:g}",
+                          [(problem, first_sample(result)) for problem, result in searched] if whole_samples else
                           list(session.solve_all(problems, search=lambda p: one)))]
     arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
-    spent = {str(p.id): r for p, r in searched}
-    sc_search = dataclasses.replace(config.search, program="self_consistency")
-    log("\nself-consistency: per problem, enough samples to spend the search's tokens; the vote counts those "
-        "that fit")
-    consistency = []
-    for problem, result in session.solve_all(problems, search=lambda p: dataclasses.replace(
-            sc_search, n=samples_to_match(spent[str(p.id)], sc_search.max_tokens))):
-        consistency.append((problem, matched_vote(result, spent[str(problem.id)].generated_tokens)))
-    counted = sum(len(r.candidates) for _, r in consistency)
-    drawn = sum(r.extra["samples_drawn"] for _, r in consistency)
-    arms.append(ArmSummary.of("self-consistency, matched tokens", consistency, f"{counted}/{drawn} samples"))
+    if whole_samples:
+        log("\nself-consistency: the majority of the search's own samples (the same tokens, no verifier)")
+        consistency = [(problem, majority_of_samples(result)) for problem, result in searched]
+        counted = sum(len(r.candidates) for _, r in consistency)
+        arms.append(ArmSummary.of("self-consistency, the same samples", consistency, f"{counted} samples"))
+    else:
+        arms.append(drawn_consistency(session, problems, searched, log))
 
     off = dataclasses.replace(config, fasttts=dataclasses.replace(
         config.fasttts, prefix_order=False, memory_plan=False, speculative=False))
@@ -148,11 +170,28 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     return arms
 
 
+def drawn_consistency(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
+                      log=print) -> ArmSummary:
+    """Self-consistency drawn anew per problem, as many samples as the search's tokens pay for; the vote counts
+    those that fit (`samples_to_match`, `matched_vote`)."""
+    spent = {str(p.id): r for p, r in searched}
+    sc_search = dataclasses.replace(session.config.search, program="self_consistency")
+    log("\nself-consistency: per problem, enough samples to spend the search's tokens; the vote counts those "
+        "that fit")
+    consistency = []
+    for problem, result in session.solve_all(problems, search=lambda p: dataclasses.replace(
+            sc_search, n=samples_to_match(spent[str(p.id)], sc_search.max_tokens))):
+        consistency.append((problem, matched_vote(result, spent[str(problem.id)].generated_tokens)))
+    counted = sum(len(r.candidates) for _, r in consistency)
+    drawn = sum(r.extra["samples_drawn"] for _, r in consistency)
+    return ArmSummary.of("self-consistency, matched tokens", consistency, f"{counted}/{drawn} samples")
+
+
 def print_comparison(arms: Sequence[ArmSummary]) -> None:
     print("\nside by side (one run per arm; p: McNemar's exact test against greedy on the same problems)")
     print(format_comparison(arms, reference=arms[0]))
     search, off = arms[2], arms[4] if len(arms) == 5 else None
-    if off is not None and off.goodput > 0:
+    if off is not None and search.goodput is not None and off.goodput:
         print(f"FastTTS on/off goodput ratio: {search.goodput / off.goodput:.2f}x "
               f"(one run each; `sgl-tts bench fasttts` repeats the arms and claims only separated ranges)")
     elif off is None:

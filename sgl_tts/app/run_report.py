@@ -5,8 +5,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
-from sgl_tts.measure.tables import Column, format_row
-from sgl_tts.search.grading import grade
+from sgl_tts.measure.metrics import mean_goodput
+from sgl_tts.measure.tables import Column, format_row, number_cell
+from sgl_tts.search.grading import grade, graded_answer
 from sgl_tts.search.records import SearchResult
 
 COLUMNS = (Column("problem", 14, "<"), Column("gold", 8), Column("answer", 12), Column("ok", 3), Column("tokens", 7),
@@ -27,9 +28,10 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
     for problem, result in results:
         correct = grade(result.answer, problem.gold) if problem.gold is not None else False
         rows.append((correct, result))
-        print(format_row(COLUMNS, [_short(problem.id, 14), _short(problem.gold, 8), _short(result.answer),
+        answer = graded_answer(result.answer, problem.gold)  # the value graded: "9" for "7 + 2 = 9"
+        print(format_row(COLUMNS, [_short(problem.id, 14), _short(problem.gold, 8), _short(answer),
                                    "yes" if correct else "no", str(result.generated_tokens),
-                                   f"{result.total_time_s:.1f}", f"{result.precise_goodput:.2f}",
+                                   f"{result.total_time_s:.1f}", number_cell(result.precise_goodput),
                                    f"{result.cache_hit_rate:.0%}"])
               + (f"  error: {result.error}" if result.error else ""), flush=True)
     if not rows:
@@ -40,7 +42,7 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
     total_tokens = sum(r.generated_tokens for r in results_only)
     print("-" * len(header))
     print(f"solved {solved}/{len(rows)} ({solved / len(rows):.0%}) | generated tokens {total_tokens} | "
-          f"precise goodput mean {statistics.fmean(r.precise_goodput for r in results_only):.2f} tok/s | "
+          f"precise goodput mean {number_cell(mean_goodput(results_only))} tok/s | "
           f"latency p50 {statistics.median(r.total_time_s for r in results_only):.1f} s | "
           f"generator {sum(r.generator_time_s for r in results_only):.0f} s, "
           f"verifier {sum(r.verifier_time_s for r in results_only):.0f} s | "

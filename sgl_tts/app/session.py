@@ -24,7 +24,7 @@ from sgl_tts.runtime.replicas import ReplicaSet
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
-from sgl_tts.search.api import Runtimes, SearchConfig, SearchError, fill_in_counts
+from sgl_tts.search.api import Runtimes, SearchConfig, SearchError
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.limits import Limits, check_limits
 
@@ -167,7 +167,7 @@ class Session:
     def _connect(self) -> Runtimes:
         """The search runtimes on `self.runtimes`: endpoints, scorer and speculation client each hold the runtime
         object (and so its URL) they were made with."""
-        from sgl_tts.frontend.backend import TTSEndpoint, chat_prompt
+        from sgl_tts.frontend.backend import ChatPrompt, TTSEndpoint
 
         generator = self.runtimes["generator"]
         scorer_runtime = self.runtimes.get("scorer", generator)
@@ -177,15 +177,14 @@ class Session:
                 generator, standard_priority=fast.standard_priority if fast.speculative else None,
                 send_seed=DETERMINISTIC_FLAG in generator.config.extra_args),
             scorer=make_scorer(self.config.scorer, scorer_runtime, self._scorer_tokenizer),
-            prompt=lambda question: chat_prompt(tokenizer, question),
+            prompt=ChatPrompt(tokenizer),
             extension_factory=extension_factory(fast, HttpSpeculationClient(generator, self.fasttts.engine_batch),
                                                 tokenizer, fast.seed) if fast.speculative else None,
         )
         target = self.runtimes.get("target", generator if self.config.target == "generator" else None)
         if target is not None:
-            target_tokenizer = self._target_tokenizer
             search_runtimes.target = TTSEndpoint(target, send_seed=DETERMINISTIC_FLAG in target.config.extra_args)
-            search_runtimes.target_prompt = lambda question: chat_prompt(target_tokenizer, question)
+            search_runtimes.target_prompt = ChatPrompt(self._target_tokenizer)
         return search_runtimes
 
     def restart(self, name: str) -> None:
@@ -207,20 +206,22 @@ class Session:
     def solve(self, problem: Any, search: SearchConfig | None = None,
               context: SearchContext | None = None) -> SearchResult:
         """One search with `search` (default: the config's), whose `program` it runs, in `context` (default: a new
-        one). Every generator request it sends is counted in the context's ledger, so a program that counts
-        nothing itself still reports the server's token counts."""
+        one). The program runs bound to the context (`sgl_tts.search.programs.load_program`): every generator
+        request it sends is counted in the context's ledger and the result carries those counts, whatever the
+        program counts or makes itself; a program whose result counts tokens the search never saw fails
+        (`UnaccountedProgram`, naming the program and what to change)."""
         search = search or self.config.search
         program = self.program if search.program == self.config.search.program else load_program(search.program)
-        context = context or self.new_search(problem, search)
-        return fill_in_counts(program(problem, search, self.search_runtimes, context), context.ledger)
+        return program(problem, search, self.search_runtimes, context or self.new_search(problem, search))
 
     def solve_all(self, problems: Iterable[Any], on_result: Callable[[Any, SearchResult], None] | None = None,
-                  search: Callable[[Any], SearchConfig] | None = None) -> Iterator[tuple[Any, SearchResult]]:
-        """Solve problems `concurrency` at a time (each with `search(problem)`, default the config's search);
-        yields (problem, result) as each finishes, in order. A search that failed mid-way (`SearchError`)
-        yields its partial result, whose `error` says what failed."""
+                  search: Callable[[Any], SearchConfig] | None = None,
+                  concurrency: int | None = None) -> Iterator[tuple[Any, SearchResult]]:
+        """Solve problems `concurrency` (default the config's) at a time, each with `search(problem)` (default the
+        config's search); yields (problem, result) as each finishes, in order. A search that failed mid-way
+        (`SearchError`) yields its partial result, whose `error` says what failed."""
         problems = list(problems)
-        with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
+        with ThreadPoolExecutor(max_workers=concurrency or self.config.concurrency) as pool:
             futures = [pool.submit(self.solve, p, search(p) if search else None) for p in problems]
             for problem, future in zip(problems, futures):
                 try:

@@ -15,13 +15,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
+from policies.step_timing import StepSplit, read_trace, step_split
+from sgl_tts import env_names
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table
+from sgl_tts.runtime.hardware import cpu_summary
+from sgl_tts.runtime.http_client import request
 from sgl_tts.runtime.server import http_json
 
 HF_ARM = "hf"
@@ -35,6 +42,12 @@ class RuntimeArm:
     name: str
     server_args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        """SGLang's data-parallel ranks (`--dp-size`): each decodes its share of the parallel requests."""
+        args = list(self.server_args)
+        return int(args[args.index("--dp-size") + 1]) if "--dp-size" in args[:-1] else 1
 
     def describe(self) -> str:
         words = [f"{key}={value}" for key, value in self.env] + list(self.server_args)
@@ -146,11 +159,140 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
 
 
-def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Sequence[int] = (1, 16, 64),
+TORCH_ARM = "torch"  # the bare forward loop: the model's own forward at the batch, no engine around it
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of one arm at one parallel count."""
+
+    tokens_per_s: float  # p requests of `new_tokens` each: tokens over wall time
+    first_token_s: float  # p parallel requests of one new token each: the median request's latency
+
+
+def flush_cache(url: str) -> None:
+    request("POST", url + "/flush_cache?timeout=60", timeout=60)
+
+
+def sglang_sample(url: str, prompts: list[str], new_tokens: int) -> Sample:
+    def latency(prompt: str) -> float:
+        began = time.perf_counter()
+        http_json(url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        return time.perf_counter() - began
+
+    flush_cache(url)  # each measure prefills its prompts, as HF does: none reads another's cache
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        first = statistics.median(pool.map(latency, prompts))
+    flush_cache(url)
+    return Sample(sglang_tokens_per_s(url, prompts, new_tokens), first)
+
+
+def hf_sample(model, tokenizer, prompts: list[str], new_tokens: int) -> Sample:
+    began = time.perf_counter()
+    hf_tokens_per_s(model, tokenizer, prompts, 1)
+    first = time.perf_counter() - began
+    return Sample(hf_tokens_per_s(model, tokenizer, prompts, new_tokens), first)
+
+
+def bare_forward_sample(model, tokenizer, prompts: list[str], new_tokens: int) -> Sample:
+    """The ceiling an engine can reach with this model in torch: one prefill forward of the batch, then
+    `new_tokens` one-token forwards with the KV cache and an argmax, nothing else (no sampling, no scheduling,
+    no text). tokens_per_s counts the decode forwards only."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = batch.attention_mask
+    with torch.no_grad():
+        began = time.perf_counter()
+        out = model(**batch, use_cache=True)
+        first = time.perf_counter() - began
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        began = time.perf_counter()
+        for _ in range(new_tokens):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        elapsed = time.perf_counter() - began
+    return Sample(len(prompts) * new_tokens / elapsed, first)
+
+
+@dataclass(frozen=True)
+class MachineCeiling:
+    """What this machine's cores can do, measured with torch at the benchmark's thread count, and the
+    roofline bound it puts on decoding a model: a decode step reads every weight once (bandwidth) and spends
+    2 FLOPs per parameter per sequence (compute); the KV cache's reads are left out (small at these lengths)."""
+
+    flops: float  # fp32 matmul, FLOP/s
+    read_bandwidth: float  # bytes/s, a sum over an array far larger than the caches
+
+    def decode_tokens_per_s(self, batch: int, parameters: int, bytes_per_parameter: int = 4) -> float:
+        step_s = max(parameters * bytes_per_parameter / self.read_bandwidth, batch * 2 * parameters / self.flops)
+        return batch / step_s
+
+
+def measure_machine(repeats: int = 5) -> MachineCeiling:
+    import torch
+
+    a = torch.randn(2048, 2048)
+    big = torch.ones(128 * 2**20)  # 512 MiB
+    best_mm = best_read = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        a @ a
+        best_mm = min(best_mm, time.perf_counter() - began)
+        began = time.perf_counter()
+        big.sum()
+        best_read = min(best_read, time.perf_counter() - began)
+    return MachineCeiling(2 * 2048**3 / best_mm, big.numel() * big.element_size() / best_read)
+
+
+def machine_line(ceiling: MachineCeiling, parameters: int, parallel: Sequence[int]) -> str:
+    bound = ", ".join(f"{p}: {ceiling.decode_tokens_per_s(p, parameters):.0f}" for p in parallel)
+    return (f"machine: {cpu_summary()}; torch {torch_threads()} threads: fp32 matmul {ceiling.flops / 1e9:.0f} "
+            f"GFLOP/s, memory read {ceiling.read_bandwidth / 1e9:.1f} GB/s; roofline decode bound for "
+            f"{parameters / 1e6:.0f}M fp32 parameters, tok/s at {bound}")
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def step_column(split: StepSplit | None) -> str:
+    if split is None:
+        return "-"
+    return (f"{split.step_s * 1e3:.0f} ms: {split.share(split.forward_s):.0%} / {split.share(split.sampling_s):.0%}"
+            f" / {split.share(split.around_s):.0%}")
+
+
+BENCH_COLUMNS = (Column("parallel"), Column("arm"), Column("tok/s median [min-max]"), Column("vs hf"),
+                 Column("of torch loop"), Column("first token s"),
+                 Column("decode step: forward / sampling / loop", align="<"))
+
+
+def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple[str, int], StepSplit | None]) -> str:
+    rates = {key: [sample.tokens_per_s for sample in values] for key, values in samples.items()}
+    rows = []
+    for p, arm, rate, vs_hf in summary_rows(rates, HF_ARM):
+        torch_rates = rates.get((TORCH_ARM, p))
+        of_torch = ("-" if torch_rates is None or arm == TORCH_ARM else
+                    median_range([a / b for a, b in zip(rates[arm, p], torch_rates)], ".2f", suffix="x"))
+        first = median_range([sample.first_token_s for sample in samples[arm, p]], ".2f")
+        rows.append([str(p), arm, rate, vs_hf, of_torch, first, step_column(splits.get((arm, p)))])
+    return console_table(BENCH_COLUMNS, rows)
+
+
+def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Sequence[int] = (1, 8, 16, 64),
               repeats: int = 3, arms: Sequence[RuntimeArm] | None = None, threads: int | None = None,
               max_total_tokens: int = 16384) -> int:
-    """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), measure tokens/s
-    against HF generate at each parallel request count, `repeats` interleaved rounds; print the table."""
+    """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), then measure each
+    arm, HF generate and the bare torch forward loop at each parallel request count, `repeats` interleaved
+    rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, time to
+    first token, the decode step's split from the scheduler's own step trace) and the fork cache check."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,15 +300,21 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
 
     parallel = list(parallel)
     arms = list(arms or [RuntimeArm("default", ())])
-    if len({arm.name for arm in arms}) != len(arms):
-        raise SystemExit(f"bench runtime: arm names must differ, got {[arm.name for arm in arms]}")
+    if len({arm.name for arm in arms}) != len(arms) or {arm.name for arm in arms} & {HF_ARM, TORCH_ARM}:
+        raise SystemExit(f"bench runtime: arm names must differ from each other and from {HF_ARM!r} and "
+                         f"{TORCH_ARM!r}, got {[arm.name for arm in arms]}")
+    if threads:
+        torch.set_num_threads(threads)
     base = RuntimeConfig(model=model, device="cpu", cpu_threads=threads, max_total_tokens=max_total_tokens)
-    print(f"bench runtime: model={model} new_tokens={new_tokens} parallel={parallel} "
-          f"repeats={repeats} arms={[arm.name for arm in arms]} + {HF_ARM}; {_load()}", flush=True)
+    print(f"bench runtime: model={model} new_tokens={new_tokens} parallel={parallel} repeats={repeats} "
+          f"arms={[arm.name for arm in arms]} + {HF_ARM}, {TORCH_ARM}; {_load()}", flush=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="sgl-tts-step-trace-"))
+    traces = {arm.name: trace_dir / f"{arm.name}.jsonl" for arm in arms}
     runtimes: dict[str, Runtime] = {}
     try:
         for arm in arms:  # start every process first, then wait: start-ups overlap
-            config = dataclasses.replace(base, extra_args=list(arm.server_args), env=dict(arm.env))
+            env = {env_names.STEP_TRACE: str(traces[arm.name]), **dict(arm.env)}
+            config = dataclasses.replace(base, extra_args=list(arm.server_args), env=env)
             runtimes[arm.name] = Runtime.start(config, name=f"bench-{arm.name}", wait=False)
         for name, runtime in list(runtimes.items()):
             try:
@@ -183,25 +331,34 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
         prompts = _prompts(tokenizer, max(parallel))
         hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=torch.float32)
         hf_model.eval()
-        measures: dict[str, Callable[[int], float]] = {}
+        parameters = sum(parameter.numel() for parameter in hf_model.parameters())
+        print(machine_line(measure_machine(), parameters, parallel), flush=True)
+        measures: dict[str, Callable[[int], Sample]] = {}
         for name, runtime in runtimes.items():
             sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
-            measures[name] = lambda p, url=runtime.url: sglang_tokens_per_s(url, prompts[:p], new_tokens)
+            measures[name] = lambda p, url=runtime.url: sglang_sample(url, prompts[:p], new_tokens)
         hf_tokens_per_s(hf_model, tokenizer, prompts[:1], 4)  # warm-up
-        measures[HF_ARM] = lambda p: hf_tokens_per_s(hf_model, tokenizer, prompts[:p], new_tokens)
+        measures[HF_ARM] = lambda p: hf_sample(hf_model, tokenizer, prompts[:p], new_tokens)
+        measures[TORCH_ARM] = lambda p: bare_forward_sample(hf_model, tokenizer, prompts[:p], new_tokens)
 
-        def show(round_index: int, arm: str, p: int, value: float) -> None:
-            print(f"  round {round_index + 1} {arm:>10s} x{p}: {value:.1f} tok/s", flush=True)
+        def show(round_index: int, arm: str, p: int, sample: Sample) -> None:
+            print(f"  round {round_index + 1} {arm:>10s} x{p}: {sample.tokens_per_s:.1f} tok/s, first token "
+                  f"{sample.first_token_s:.2f} s", flush=True)
 
         samples = interleaved(measures, parallel, repeats, show)
         cache_fraction = fork_cache_fraction(first, prompts[0])
     finally:
         for runtime in runtimes.values():
             runtime.stop()
+    splits = {(arm.name, p): step_split(read_trace(str(traces[arm.name])), max(1, p // arm.ranks))
+              if traces[arm.name].exists() else None for arm in arms for p in parallel}
     print()
-    print(format_table(samples, HF_ARM))
+    print(bench_table(samples, splits))
     for arm in arms:
         print(f"  {arm.name}: {arm.describe()}")
+    print(f"  {HF_ARM}: transformers generate, greedy, in this process; {TORCH_ARM}: the model's forward in a loop "
+          f"with its KV cache and an argmax (decode tokens only); decode step: the median scheduler step at that "
+          f"batch, the model's forward / sampling and output / the scheduler loop around them")
     print(f"fork of 16 on {arms[0].name}: {cache_fraction:.0%} of the branches' prompt tokens served from the "
           f"radix cache; {_load()}")
     return 0

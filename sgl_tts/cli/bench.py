@@ -37,10 +37,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench_commands = bench.add_subparsers(dest="bench", required=True)
 
-    parser = bench_commands.add_parser("runtime", help="SGLang CPU runtime settings vs HF generate (tokens/s ratios)")
+    parser = bench_commands.add_parser("runtime", help="SGLang CPU runtime settings vs HF generate and the bare torch "
+                                                       "forward loop (tokens/s ratios, first token, step split)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--parallel", default="1,16,64", help="comma-separated request counts")
+    parser.add_argument("--parallel", default="1,8,16,64", help="comma-separated request counts")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every arm runs once per round, interleaved")
     parser.add_argument("--arm", type=parse_arm, action="append",
                         help="NAME=ARGS: an SGLang arm with extra launch_server arguments (repeatable; "

@@ -39,6 +39,7 @@ def programs_command(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from sgl_tts.measure.cpu_use import CpuMeter
     from sgl_tts.problems import load_problems
     from sgl_tts.config import ConfigError
     from sgl_tts.app.run_report import print_run
@@ -84,7 +85,9 @@ def run_command(args: argparse.Namespace) -> int:
         solved = _write_trees(session.solve_all(problems), args.tree)
         if results is not None:
             solved = _save_results(solved, results, config)
-        code = print_run(_collect(solved, searched), config)
+        with CpuMeter() as meter:
+            code = print_run(_collect(solved, searched), config)
+        print(f"while solving: {meter.use.describe()}, machine-wide (the runtimes included)", flush=True)
         if args.compare or args.compare_fasttts:
             from sgl_tts.app.compare import print_comparison, run_comparison
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
+from sgl_tts.env_names import read
 from sgl_tts.runtime.server import LOCALHOST
 from sgl_tts.serve.main import API_KEY_ENV
 
@@ -29,7 +29,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         serve_config = ServeConfig(host=args.host, port=args.port, max_searches=args.max_searches,
-                                   api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+                                   api_key=args.api_key or read(API_KEY_ENV))
     except ValueError as exc:
         raise ConfigError(f"sgl-tts serve: {exc}") from None
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")

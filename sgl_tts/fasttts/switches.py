@@ -1,7 +1,7 @@
 """The FastTTS switches (FastTTS §4, the P/M/S ablation of Fig. 16) and where each one takes effect.
 
 - P `prefix_order`: the generator runtime's scheduler orders its waiting queue with `PrefixAwareOrder`
-  (plugin env `SGL_TTS_POLICY=prefix`), reading the lineage tag the backend puts on every request.
+  (plugin env `SGLTTS_POLICY=prefix`), reading the lineage tag the backend puts on every request.
 - M `memory_plan`: the KV budget is split between the co-located runtimes (generator, verifier and RSD's
   target) by the roofline planner (`sgl_tts.runtime.memory_plan.split_kv` / `plan_memory`, §4.3) instead of
   equally.

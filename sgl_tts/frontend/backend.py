@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -131,9 +132,48 @@ class TTSEndpoint(SearchBackend, RuntimeEndpoint):
                                  f"{exc}") from exc
 
 
-def chat_prompt(tokenizer: Any, question: str, system: str = SYSTEM_PROMPT) -> str:
-    """The prompt text for `question` in the model's chat format, ending where the answer begins."""
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+@dataclass(frozen=True)
+class Turn:
+    """A message of a chat before its last user turn: role "user" or "assistant", and its text."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Chat:
+    """What a prompt puts before the question (the last user turn): the system prompt, then the earlier turns
+    in order. A served request's system message replaces SYSTEM_PROMPT (`sgl_tts.serve.protocol`)."""
+
+    system: str = SYSTEM_PROMPT
+    turns: tuple[Turn, ...] = ()
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        """The chat with `question` as its last user turn, as chat-template messages."""
+        return [{"role": "system", "content": self.system},
+                *({"role": turn.role, "content": turn.content} for turn in self.turns),
+                {"role": "user", "content": question}]
+
+
+PLAIN_FORMAT = {"system": "{}\n\n", "user": "Question: {}\n\n", "assistant": "Answer:\n{}\n\n"}  # no template
+
+
+def chat_prompt(tokenizer: Any, question: str, chat: Chat = Chat()) -> str:
+    """The prompt text for `question` after `chat` in the model's chat format, ending where the answer begins
+    (the generation prompt after the last user turn)."""
+    messages = chat.messages(question)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{system}\n\nQuestion: {question}\n\nAnswer:\n"
+    return "".join(PLAIN_FORMAT[m["role"]].format(m["content"]) for m in messages) + "Answer:\n"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """`Runtimes.prompt` in a tokenizer's chat format: question -> `chat_prompt(tokenizer, question, chat)`. A
+    served chat request runs on a copy with its own `chat` (`sgl_tts.serve.service.chat_runtimes`)."""
+
+    tokenizer: Any
+    chat: Chat = Chat()
+
+    def __call__(self, question: str) -> str:
+        return chat_prompt(self.tokenizer, question, self.chat)

@@ -86,13 +86,18 @@ def searching(search: Any) -> Iterator[Any]:
         _current_search.reset(token)
 
 
+def running_search() -> Any:
+    """The search bound in this thread (`searching`), None outside any."""
+    return _current_search.get()
+
+
 def search_of(state: Any) -> Any:
     """The search a program state (or executor) belongs to, None outside any search. Read on the state's worker
     thread (where the backend runs) the first time, then kept in the state's variables for its forks."""
     executor = executor_of(state)
     search = executor.variables.get(SEARCH_VARIABLE)
     if search is None:
-        search = _current_search.get()
+        search = running_search()
         if search is not None:
             executor.variables[SEARCH_VARIABLE] = search
     return search

@@ -1,7 +1,8 @@
 """Per-problem and aggregate metrics computed from `SearchResult`s. Pure functions, no I/O.
 
 Definitions (FastTTS §6.1, §6.3; edge-inference evaluation §VI):
-- precise goodput = mean tokens per beam / mean beam completion time (`SearchResult.precise_goodput`);
+- precise goodput = mean tokens per beam / mean beam completion time (`SearchResult.precise_goodput`), none for
+  a search without generated tokens (left out of means);
 - completion latency = a problem's end-to-end search time, with its generator and verifier parts, reported
   as mean and p50/p90/p99 (tails beside the mean);
 - top-1 accuracy: the answer chosen by majority vote (also weighted vote and best score) graded against gold;
@@ -16,11 +17,12 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sgl_tts.search.grading import grade
+from sgl_tts.search.grading import grade, graded_answer
 from sgl_tts.search.records import SearchResult
 from sgl_tts.search.selection import best_score, majority_vote, pass_at_n, weighted_vote
 
 CORRECTNESS_KEYS = ("correct", "majority_correct", "weighted_correct", "best_correct")
+ANSWER_KEYS = ("answer", "majority_answer", "weighted_answer", "best_answer")  # graded as CORRECTNESS_KEYS
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -67,25 +69,26 @@ def problem_metrics(
 ) -> dict[str, Any]:
     """One flat, JSON-ready row of metrics for one problem.
 
-    Correctness fields are None when there is no gold answer. `pass_ns` defaults to the candidate count.
+    The answers (ANSWER_KEYS) are in the form grading compares with the gold (`graded_answer`: "9" for
+    "7 + 2 = 9"); `answer_text` is the program's answer as extracted. Correctness fields are None when there is
+    no gold answer. `pass_ns` defaults to the candidate count.
     """
     result = _as_result(result)
     answers = [c.answer for c in result.candidates]
     scores = [c.score for c in result.candidates]
+    picked = dict(zip(ANSWER_KEYS, (result.answer, majority_vote(answers), weighted_vote(answers, scores),
+                                    best_score(answers, scores))))
     row: dict[str, Any] = {
         "problem_id": result.problem_id,
         "program": result.program,
-        "answer": result.answer,
         "gold": gold,
         "n_candidates": len(result.candidates),
-        "majority_answer": majority_vote(answers),
-        "weighted_answer": weighted_vote(answers, scores),
-        "best_answer": best_score(answers, scores),
+        **{key: graded_answer(answer, gold) for key, answer in picked.items()},
+        "answer_text": result.answer,
     }
     graded = gold is not None
     flags = [graded and a is not None and grade_fn(a, gold, dataset) for a in answers]
-    for key, answer_key in zip(CORRECTNESS_KEYS, ("answer", "majority_answer", "weighted_answer", "best_answer")):
-        answer = row[answer_key]
+    for key, answer in zip(CORRECTNESS_KEYS, picked.values()):
         row[key] = (answer is not None and grade_fn(answer, gold, dataset)) if graded else None
     for n in pass_ns if pass_ns is not None else [max(len(answers), 1)]:
         row[f"pass@{n}"] = pass_at_n(flags, scores, n) if graded else None
@@ -126,7 +129,7 @@ def aggregate_rows(rows: Iterable[dict[str, Any] | SearchResult]) -> dict[str, A
         "graded": sum(1 for r in rows if r.get("correct") is not None),
         "errors": sum(1 for r in rows if r.get("error")),
         "accuracy": accuracy,
-        "precise_goodput": summarize(r["precise_goodput"] for r in with_beams),
+        "precise_goodput": summarize(r["precise_goodput"] for r in with_beams if r["precise_goodput"] is not None),
         "completion_latency_s": summarize(r["total_time_s"] for r in rows),
         "beam_completion_s": summarize(r["mean_beam_completion_s"] for r in with_beams),
         "generator_time_s": summarize(r["generator_time_s"] for r in rows),
@@ -135,6 +138,12 @@ def aggregate_rows(rows: Iterable[dict[str, Any] | SearchResult]) -> dict[str, A
         "generated_tokens": sum(r.get("generated_tokens", 0) for r in rows),
         "cache_hit_rate": sum(r.get("cached_tokens", 0) for r in rows) / prompt_tokens if prompt_tokens else None,
     }
+
+
+def mean_goodput(results: Iterable[SearchResult]) -> float | None:
+    """The mean precise goodput of the results that have one; None when none has (no goodput from zero tokens)."""
+    goodputs = [g for g in (r.precise_goodput for r in results) if g is not None]
+    return statistics.fmean(goodputs) if goodputs else None
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -35,6 +35,11 @@ def console_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], rule
     return "\n".join([header] + (["-" * len(header)] if rule else []) + [format_row(columns, row) for row in rows])
 
 
+def number_cell(value: float | None, spec: str = ".2f") -> str:
+    """`value` formatted with `spec`; '-' for None, a number there is none of (no goodput without tokens)."""
+    return "-" if value is None else f"{value:{spec}}"
+
+
 def markdown_table(titles: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
                      + ["| " + " | ".join(row) + " |" for row in rows])

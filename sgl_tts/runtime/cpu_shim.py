@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from sgl_tts.env_names import CACHE
 from sgl_tts.paths import cache_dir
 
 STUB_SOURCE = """\
@@ -48,7 +49,7 @@ def shim_dir() -> Path:
         return folder
     except OSError as exc:
         raise ShimBuildError(f"cannot build the CPU shim ({exc.strerror or exc}: {exc.filename}): make the cache "
-                             "folder writable or point SGL_TTS_CACHE at a writable one") from None
+                             f"folder writable or point {CACHE} at a writable one") from None
 
 
 def _first_error_line(compiler_output: str) -> str:

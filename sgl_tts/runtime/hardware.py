@@ -113,3 +113,36 @@ def plan_hardware(device: str, name: str | None, device_name: Callable[[], str |
         raise ValueError(f"the runtimes run on cuda but this process sees no CUDA device to name the memory "
                          f"plan's hardware; set fasttts.hardware to one of {', '.join(HARDWARE)}")
     return profile_for_device(detected)
+
+
+# The SIMD extensions that decide which CPU kernels are fast (bf16 and int8 dot products, AMX tiles).
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The flags of this host's first CPU (`/proc/cpuinfo`, or the text given); empty where it is unreadable."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = open("/proc/cpuinfo").read()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_summary(cpuinfo: str | None = None) -> str:
+    """This host's CPU for a figure's caption: model name, cores, and which of SIMD_FLAGS it has."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = open("/proc/cpuinfo").read()
+        except OSError:
+            cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor() or "unknown CPU")
+    flags = cpu_flags(cpuinfo)
+    have = [flag for flag in SIMD_FLAGS if flag in flags]
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(have) or 'no AVX2'}"

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from policies import cpu_attention
+from sgl_tts import env_names
 from sgl_tts.runtime.http_client import http_json
 from sgl_tts.runtime.models import resolve_model
 
@@ -31,6 +33,10 @@ LOCALHOST = "127.0.0.1"
 # that a new request waits up to this many steps to join the running batch (`sgl-tts bench runtime`,
 # docs/runtime-speed.md).
 CPU_CONTINUOUS_DECODE_STEPS = 4
+# The least KV a data-parallel rank of a CPU generator gets from its runtime's budget (share_cpu_cores): a batch of
+# 64 requests of 128 tokens, where a second rank starts to pay (docs/runtime-speed.md). A smaller budget stays one
+# rank's, so that a small planned budget is not cut into pieces a long request no longer fits.
+MIN_RANK_TOKENS = 8192
 
 
 class RuntimeStartError(RuntimeError):
@@ -63,7 +69,11 @@ class RuntimeConfig:
     mem_fraction_static: float | None = None
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None
-    cpu_threads: int | None = None  # torch threads in the scheduler process (CPU only)
+    cpu_threads: int | None = None  # torch threads in each scheduler process (CPU only)
+    # Scheduler processes behind the one URL (SGLang's --dp-size), each with its own copy of the model and an equal
+    # share of max_total_tokens; requests go to them in turn. None: one, except a CPU session's generator, which
+    # share_cpu_cores gives one single-threaded rank per core (docs/runtime-speed.md).
+    data_parallel: int | None = None
     continuous_decode_steps: int | None = None  # None: CPU_CONTINUOUS_DECODE_STEPS on CPU, SGLang's 1 on CUDA
     random_seed: int = 0
     startup_timeout_s: float = 600.0
@@ -83,7 +93,7 @@ class RuntimeConfig:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "cpu_threads",
-                     "continuous_decode_steps"):
+                     "continuous_decode_steps", "data_parallel"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -140,8 +150,10 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     cmd += ["--dtype", dtype]
     if attention:
         cmd += ["--attention-backend", attention]
+    ranks = config.data_parallel or 1
     optional = {
-        "--max-total-tokens": config.max_total_tokens,
+        "--max-total-tokens": config.max_total_tokens // ranks if config.max_total_tokens else None,  # per rank
+        "--dp-size": ranks if ranks > 1 else None,
         "--mem-fraction-static": config.mem_fraction_static,
         "--chunked-prefill-size": config.chunked_prefill_size,
         "--max-running-requests": config.max_running_requests,
@@ -161,39 +173,64 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         from sgl_tts.runtime.cpu_shim import shim_dir
 
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if config.attention_backend in (None, "torch_native"):
+            # One batched SDPA per layer instead of SGLang's loop over the sequences (policies/cpu_attention.py,
+            # docs/runtime-speed.md); `env: {SGLTTS_CPU_ATTENTION: sglang}` keeps SGLang's own.
+            env[env_names.CPU_ATTENTION] = cpu_attention.BATCHED
+        # A stop (SIGTERM to the group) reads to SGLang as a crash: it sleeps 5 s "to let GPU activity settle", then
+        # py-spy-dumps the schedulers and asks for CUDA core dumps. On a CPU that is 5 s and a dump per stop, for
+        # nothing a user asked.
+        env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+        env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(shim_dir()), env.get("LD_LIBRARY_PATH")]))
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
         if config.cpu_threads:
             env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+        if (config.data_parallel or 1) > 1:
+            # SGLang asks a CPU rank for its cores (one NUMA node per rank unless this names them); it pins them only
+            # with the CPU build of sgl-kernel, which is not installed here, so this only lets the ranks start.
+            threads = config.cpu_threads or 1
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"{rank * threads}-{rank * threads + threads - 1}" if threads > 1 else str(rank)
+                for rank in range(config.data_parallel))
     env.update(config.env)
     return env
 
 
 def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None) -> dict[str, RuntimeConfig]:
-    """Co-located CPU runtimes (each replica counts as one) split the machine's cores instead of each using all.
+    """Give co-located CPU runtimes the cores by what they do: the generator decodes nearly all the time, the
+    scorer and target runtimes work in bursts (the probe verifier: 118 of 2,772 s in one `make run`).
 
-    torch's OpenMP threads spin while they wait for each other, so two busy runtimes that each run a thread
-    per core slow each other down by an order of magnitude (two SmolLM2 runtimes on 2 cores, 16 requests
-    each: 4.8 tok/s together vs 86 tok/s for one alone; with one thread each, 177 tok/s together). Every CPU
-    runtime whose `cpu_threads` is unset gets `cores // number of CPU servers` threads per server (at least
-    1); when the threads still outnumber the cores, waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the
-    config's `env` says otherwise. A single server is left as configured.
+    Every CPU server whose `cpu_threads` is unset runs single-threaded scheduler processes. A torch process with
+    a thread per core stalls at every OpenMP barrier whenever another busy process holds one of its cores: with a
+    second process busy on a 2-core machine, one request decoded at 1.1 tok/s with 2 threads and 9.7 with 1
+    (docs/runtime-speed.md). The generator, unless its config sets `cpu_threads` or `data_parallel`, gets one
+    single-threaded scheduler rank per core (SGLang's data parallelism; per replica when it has several), so it
+    holds the whole machine while the others are idle and nothing waits at a barrier when they are not (a config's
+    `data_parallel: 1` keeps it one process: the tiny test model gains nothing from a second). The other
+    runtimes get one thread each and take their share of the cores only while they work. Where explicit threads
+    still outnumber the cores, waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the config's `env` says
+    otherwise. Runtimes on CUDA are left as configured.
     """
-    on_cpu = [name for name, config in configs.items() if config.device == "cpu"]
-    servers = sum(configs[name].replicas for name in on_cpu)
-    if servers < 2:
-        return dict(configs)
     cores = cores or len(os.sched_getaffinity(0))
-    share = max(1, cores // servers)
-    threads = {name: configs[name].cpu_threads or share for name in on_cpu}
-    passive = sum(threads[name] * configs[name].replicas for name in on_cpu) > cores
     shared = dict(configs)
+    on_cpu = [name for name, config in configs.items() if config.device == "cpu"]
     for name in on_cpu:
         config = configs[name]
-        env = dict(config.env)
-        if passive:
+        if config.cpu_threads is not None:
+            continue
+        ranks = config.data_parallel or 1
+        if name == "generator" and config.data_parallel is None:
+            ranks = max(1, cores // config.replicas)
+            if config.max_total_tokens is not None:  # a small KV budget stays whole (bench fasttts' thrashing cells)
+                ranks = max(1, min(ranks, config.max_total_tokens // MIN_RANK_TOKENS))
+        shared[name] = replace(config, cpu_threads=1, data_parallel=ranks)
+    threads = sum(shared[n].cpu_threads * (shared[n].data_parallel or 1) * shared[n].replicas for n in on_cpu)
+    if any(shared[n].cpu_threads > 1 for n in on_cpu) and threads > cores:
+        for name in on_cpu:
+            env = dict(shared[name].env)
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        shared[name] = replace(config, cpu_threads=threads[name], env=env)
+            shared[name] = replace(shared[name], env=env)
     return shared
 
 

@@ -33,6 +33,8 @@ def classifier_runtime_config(model: str, cached: bool = False, **overrides: Any
     radix cache serves the known steps (sgl_tts.scoring.prm_models.qwen2_prm)."""
     from sgl_tts.scoring.prm_models import EXTERNAL_MODEL_ENV, SERVER_ARGS
 
+    # Without chunked prefill SGLang's default static fraction reserves max_prefill_tokens * 1.5 MB of activations
+    # and goes negative on a small host, so both memory knobs are set.
     settings: dict[str, Any] = dict(model=model, env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3,
                                     max_total_tokens=16384)
     if not cached:

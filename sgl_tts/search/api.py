@@ -14,7 +14,6 @@ from typing import Any, Callable, Literal, Sequence
 import sglang as sgl
 
 from sgl_tts.frontend.backend import GeneratorError
-from sgl_tts.frontend.ledger import RequestLedger
 from sgl_tts.frontend.sglang_internals import bind_search, make_executor_finalizer_lock_free, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
@@ -344,15 +343,6 @@ def start_search(runtimes: Runtimes, config: SearchConfig, label: str = "search"
                  context: SearchContext | None = None) -> SearchContext:
     """The search's context: `context` when the caller started the search, else a new one."""
     return context if context is not None else runtimes.new_search(config, label)
-
-
-def fill_in_counts(result: SearchResult, ledger: RequestLedger | None) -> SearchResult:
-    """A result with the ledger's token counts where the program counted nothing (a plain-DSL program's
-    `run` builds its own record): every program is accounted for from the server's meta_info."""
-    if ledger is None or ledger.requests == 0 or result.generated_tokens or result.prompt_tokens:
-        return result
-    return dataclasses.replace(result, generated_tokens=ledger.completion_tokens, prompt_tokens=ledger.prompt_tokens,
-                               cached_tokens=ledger.cached_tokens)
 
 
 def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,

@@ -10,6 +10,10 @@ How a request finds its search: SGLang's interpreter runs each program state on 
 copy of the creating thread's `contextvars`, and `fork` copies the parent's variables into each child. The
 search binds itself while its program runs (`with context.running():`); the endpoint reads it back from the
 state (`sgl_tts.frontend.sglang_internals.search_of`), as SGLang keeps per-program state in the executor.
+
+A context made while another search is bound in its thread (a program that makes its own state inside the run
+its caller bound, `sgl_tts.search.programs.load_program`) runs inside that search, its `outer`: the two share one
+ledger, and every request the inner one sends is in flight, observed and cancelled in the outer one as well.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from sgl_tts.frontend.ledger import Request, RequestLedger
-from sgl_tts.frontend.sglang_internals import searching
+from sgl_tts.frontend.sglang_internals import running_search, searching
 from sgl_tts.scoring.base import ScoredPaths, StepScorer
 from sgl_tts.search.tree import SearchTree
 
@@ -32,7 +36,8 @@ class SearchContext:
     """One search's state (see the module docstring).
 
     Token counts come from the ledger (every request the search sent, from the server's meta_info) unless the
-    program counts by hand with `record` (RSD, whose step cache replays work without requests).
+    program counts by hand with `record` (RSD, whose step cache replays work without requests). `outer`: the search
+    this one runs inside (see the module docstring), None for a search of its own.
     """
 
     def __init__(self, config: Any, label: str = "search", seed: int | None = None,
@@ -42,7 +47,8 @@ class SearchContext:
         self.config = config
         self.label = label
         self.seed = seed
-        self.ledger = RequestLedger()
+        self.outer: SearchContext | None = running_search()
+        self.ledger = self.outer.ledger if self.outer is not None else RequestLedger()
         self.observers = tuple(observers)  # called with every answered standard request
         self.scoring_observers = tuple(scoring_observers)  # called with every scoring round's scores
         self._changed = threading.Condition()
@@ -70,6 +76,8 @@ class SearchContext:
 
     def request_sent(self, rid: str) -> None:
         """A request with lineage id `rid` is about to be sent; refused once the search is cancelled."""
+        if self.outer is not None:
+            self.outer.request_sent(rid)
         with self._changed:
             self._refuse_if_cancelled()
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
@@ -82,16 +90,25 @@ class SearchContext:
             else:
                 self._in_flight.pop(rid, None)
             self._changed.notify_all()
+        if self.outer is not None:
+            self.outer.request_done(rid)
 
     def request_answered(self, request: Request, meta: dict[str, Any]) -> None:
         """A standard request was answered: into the ledger, to the observers; refused after a cancel."""
         self.ledger.record_request(request, meta)
+        self._heard(request, meta)
+
+    def _heard(self, request: Request, meta: dict[str, Any]) -> None:
+        """An answered request beyond the ledger (which an inner search shares): the abort count, the observers
+        and a cancel's refusal, here and in the outer search."""
         reason = meta.get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
             with self._changed:
                 self.aborted_requests += 1
         for observer in self.observers:
             observer(request)
+        if self.outer is not None:
+            self.outer._heard(request, meta)
         with self._changed:
             self._refuse_if_cancelled()
 
@@ -99,7 +116,7 @@ class SearchContext:
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled
+        return self._cancelled or (self.outer is not None and self.outer.cancelled)
 
     def cancel(self) -> list[str]:
         """Refuse new requests from now on; returns the rids in flight (to abort on the runtime)."""
@@ -132,12 +149,15 @@ class SearchContext:
         return time.monotonic() - self.start
 
     def record(self, tokens: int, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
-        """Count work by hand; from then on the search's token counts are these, not the ledger's."""
+        """Count work by hand (in the outer search too); from then on the search's token counts are these, not
+        the ledger's."""
         if self._hand_counts is None:
             self._hand_counts = [0, 0, 0]
         self._hand_counts[0] += tokens
         self._hand_counts[1] += prompt_tokens
         self._hand_counts[2] += cached_tokens
+        if self.outer is not None:
+            self.outer.record(tokens, prompt_tokens, cached_tokens)
 
     @property
     def generated_tokens(self) -> int:
@@ -156,6 +176,8 @@ class SearchContext:
         scorer themselves)."""
         for observer in self.scoring_observers:
             observer(scores)
+        if self.outer is not None:
+            self.outer.scored(scores)
 
     def score(self, scorer: StepScorer, prompt: str, paths: Sequence[Any]) -> ScoredPaths | None:
         """Score every step of `paths` in one batched scorer call; writes each path's `step_scores`."""

@@ -2,7 +2,8 @@
 
 `extract_answer` pulls the final answer out of model text; `answers_equal` decides whether two answers are
 the same mathematical object (math-verify, with a normalised string comparison as the fallback); `grade`
-checks a predicted answer against a dataset's gold answer. Model output is treated as data only: it is
+checks a predicted answer against a dataset's gold answer, in the form `graded_answer` gives it (the value
+of an equation such as "7 + 2 = 9": "9"). Model output is treated as data only: it is
 parsed by math-verify's LaTeX/expression parser, never evaluated as Python.
 
 Timeouts: math-verify bounds its own work with `signal.alarm`, which only works in the main thread, and
@@ -156,6 +157,7 @@ def answer_at_end(text: str | None, extract: Callable[[str], str | None] | None 
 
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?")
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+_OTHER_RELATION = re.compile(r"[<>≤≥≠≈]|[!:=]=|\\(?:[lg]eq?|neq?|[lg]t|approx|equiv|sim|cong)(?![A-Za-z])")
 _LATEX_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "\\%", "%", "$")
 
 
@@ -193,6 +195,36 @@ def _format_number(number: Decimal) -> str:
     return format(number.normalize(), "f")
 
 
+def _equation_sides(text: str) -> list[str] | None:
+    """The sides of `text` when it is one equation or a chain of them (`a = b`, `a = b = c`): `=` outside any
+    bracket, no other relation and no top-level `,` or `;` (a list of equations); else None."""
+    if "=" not in text or _OTHER_RELATION.search(text):
+        return None
+    sides, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and ch in ",;":
+            return None
+        elif depth == 0 and ch == "=":
+            sides.append(text[start:i].strip())
+            start = i + 1
+    sides.append(text[start:].strip())
+    return sides if all(sides) else None
+
+
+def graded_answer(predicted: str | None, gold: str | None) -> str | None:
+    """The form of `predicted` that `grade` compares with `gold`: when `predicted` is an equation and `gold` is
+    none, its last side ("7 + 2 = 9" -> "9", "x = 5" -> "5"), the value math-verify would compare too; else
+    `predicted` as it is. Reports show and store this form."""
+    if predicted is None or (gold is not None and _equation_sides(str(gold)) is not None):
+        return predicted
+    sides = _equation_sides(predicted)
+    return sides[-1] if sides else predicted
+
+
 def answers_equal(a: str | None, b: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Whether two answers are the same: equal normalised strings, equal plain numbers, or math-verify says so.
 
@@ -218,14 +250,15 @@ def answers_equal(a: str | None, b: str | None, timeout_s: float = DEFAULT_TIMEO
 
 def grade(predicted: str | None, gold: str | None, dataset: str | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether `predicted` (an extracted answer, None = no answer) matches the dataset's `gold` answer."""
+    """Whether `predicted` (an extracted answer, None = no answer) matches the dataset's `gold` answer, compared
+    in its `graded_answer` form."""
     if dataset in CODE_DATASETS:
         raise GradingError(f"dataset '{dataset}' holds code problems: grade them by running tests in a sandbox")
     if gold is None:
         raise GradingError(f"no gold answer to grade against (dataset {dataset or 'unknown'})")
     if predicted is None:
         return False
-    return answers_equal(str(gold), predicted, timeout_s)
+    return answers_equal(str(gold), graded_answer(predicted, str(gold)), timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------------------

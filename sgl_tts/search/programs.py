@@ -6,6 +6,12 @@ in the `programs/` package is a program named after its file; a config may also 
 (`package.module`) or a file path (`path/to/my_search.py`). The `programs` package is found by name, not
 imported here: it is the layer above this one.
 
+A caller that hands the loaded program a search's context (`Session.solve`, `sgl-tts serve`, `sgl-tts eval`)
+owns that search: the program runs bound to it (`SearchContext.running`), so every request a state made in its
+thread sends belongs to that search, a context the program makes itself there included (it runs inside the
+caller's, `sgl_tts.search.context`), and the result carries the search's token counts. A program whose result
+counts tokens the search never saw (states made on threads of its own) fails with `UnaccountedProgram`.
+
 A program module may also declare `Settings`, a frozen dataclass of its own settings (the run config's
 `search.settings:` mapping, validated against it here; the program reads the instance as `config.settings`),
 and `RUNTIMES`, the runtimes it needs besides the generator (names from `RUNTIME_NAMES`).
@@ -30,6 +36,10 @@ PROGRAMS_PACKAGE = "programs"
 RUNTIME_NAMES = ("scorer", "target")  # what a program may need besides the generator: `Runtimes` fields
 
 ProgramFn = Callable[..., object]
+
+
+class UnaccountedProgram(ConfigError):
+    """A program's result counts generated tokens that the search it ran in never saw."""
 
 
 def program_names() -> list[str]:
@@ -72,20 +82,22 @@ def program_module(name: str) -> ModuleType:
 
 
 def load_program(name: str) -> ProgramFn:
-    """The `run` function of program `name`; an unknown name lists the known ones."""
+    """Program `name` as `run(problem, config, runtimes, context=None, **arguments)`, run bound to `context` when
+    one is given (the module docstring); an unknown name lists the known ones."""
     module = program_module(name)
     run = getattr(module, "run", None)
     if callable(run):
-        if "context" in inspect.signature(run).parameters:
-            return run
-        return functools.partial(_run_in_own_context, run)  # run(problem, config, runtimes): starts its own search
+        if "context" not in inspect.signature(run).parameters:  # run(problem, config, runtimes): no context to pass
+            run = functools.partial(_without_context, run)
+        return functools.partial(_run_in_search, run, name)
     function = plain_function(module)
     if function is None:
         raise KeyError(f"program {name!r} ({module.__name__}) has no run(problem, config, runtimes) function and "
                        f"no single @sgl.function")
     from sgl_tts.search.api import run_plain_program
 
-    return functools.partial(_run_plain, run_plain_program, function, Path(name).stem if name.endswith(".py") else name)
+    label = Path(name).stem if name.endswith(".py") else name
+    return functools.partial(_run_in_search, functools.partial(_run_plain, run_plain_program, function, label), name)
 
 
 def _run_plain(runner: Callable[..., object], function: object, name: str, problem: object, config: object,
@@ -93,9 +105,37 @@ def _run_plain(runner: Callable[..., object], function: object, name: str, probl
     return runner(function, problem, name, config, runtimes, context)
 
 
-def _run_in_own_context(run: Callable[..., object], problem: object, config: object, runtimes: object,
-                        context: object = None) -> object:
-    return run(problem, config, runtimes)
+def _without_context(run: Callable[..., object], problem: object, config: object, runtimes: object,
+                     context: object = None, **arguments: object) -> object:
+    return run(problem, config, runtimes, **arguments)
+
+
+def _run_in_search(run: Callable[..., Any], name: str, problem: object, config: object, runtimes: object,
+                   context: Any = None, **arguments: object) -> Any:
+    """`run` with the search `context` bound around it and its result given the search's counts (`accounted`);
+    without a context the program starts its own search."""
+    if context is None:
+        return run(problem, config, runtimes, **arguments)
+    with context.running():
+        result = run(problem, config, runtimes, context, **arguments)
+    return accounted(result, context, name)
+
+
+def accounted(result: Any, context: Any, name: str) -> Any:
+    """`result` (a `SearchResult`) with the token counts of the search `context` it ran in: every request sent
+    there, counted from the server's meta_info (or the search's hand counts), whatever the program counted itself.
+    Raises `UnaccountedProgram`, naming program `name`, when the result counts generated tokens the search never
+    saw (on its whole or on one candidate)."""
+    claimed = max([result.generated_tokens, *(candidate.tokens for candidate in result.candidates)])
+    seen = context.generated_tokens
+    if claimed > seen:
+        raise UnaccountedProgram(
+            f"program {name!r} sent requests its search never saw (its result counts {claimed} generated tokens, "
+            f"the search {seen}): it makes program states outside the search, on a thread of its own. Take the "
+            f"search's context, def run(problem, config, runtimes, context=None), and make the states where it "
+            f"is bound: in the thread run is called in, or inside `with context.running():` (docs/writing-programs.md)")
+    return dataclasses.replace(result, generated_tokens=seen, prompt_tokens=context.prompt_tokens,
+                               cached_tokens=context.cached_tokens)
 
 
 def plain_function(module: ModuleType) -> object | None:

@@ -60,10 +60,13 @@ class SearchResult:
         return sum(c.completion_time_s for c in self.candidates) / len(self.candidates)
 
     @property
-    def precise_goodput(self) -> float:
-        """FastTTS §6.1: average token length per beam / average beam completion time (tokens/s)."""
+    def precise_goodput(self) -> float | None:
+        """FastTTS §6.1: average token length per beam / average beam completion time (tokens/s); None (no
+        goodput) when the search generated no tokens, its beams hold none, or they took no time."""
         t = self.mean_beam_completion_s
-        return self.mean_beam_tokens / t if t > 0 else 0.0
+        if self.generated_tokens <= 0 or self.mean_beam_tokens <= 0 or t <= 0:
+            return None
+        return self.mean_beam_tokens / t
 
     @property
     def cache_hit_rate(self) -> float:

@@ -189,7 +189,7 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
         try:
             parsed = parse_chat_request(body, service.limits)
             search = service.search_config(parsed.program, parsed.settings)
-            service.check_prompt(parsed.question, search)
+            service.check_prompt(parsed.question, search, parsed.chat)
         except RequestError as exc:
             service.refused("bad_request")
             raise APIError(400, error_body(str(exc), param=exc.param))
@@ -203,7 +203,8 @@ def create_app(service: SearchService, api_key: str | None = None) -> FastAPI:
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         on_progress = (lambda event: loop.call_soon_threadsafe(events.put_nowait, event)) if parsed.stream else None
         try:
-            job = service.submit(parsed.program, search, parsed.question, on_progress=on_progress)
+            job = service.submit(parsed.program, search, parsed.question, on_progress=on_progress,
+                                 chat=parsed.chat)
         except Busy as exc:
             raise APIError(429, error_body(f"busy: {exc}; retry later", "rate_limit_error", code="busy"),
                            headers={"Retry-After": str(RETRY_AFTER_S)})

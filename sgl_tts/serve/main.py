@@ -25,9 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from sgl_tts import env_names
 from sgl_tts.runtime.server import LOCALHOST
 
-API_KEY_ENV = "SGL_TTS_API_KEY"
+API_KEY_ENV = env_names.API_KEY
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("sgl_tts.serve")
 
@@ -115,8 +116,8 @@ def session_service(session: Any, max_searches: int | None = None, health: Any =
     def validate(search: Any) -> None:
         checked_program(dataclasses.replace(session.config, search=search), "request", "settings")
 
-    def prompt_tokens(question: str) -> int:
-        return len(session.tokenizer.encode(session.search_runtimes.prompt(question), add_special_tokens=False))
+    def prompt_tokens(prompt: str) -> int:
+        return len(session.tokenizer.encode(prompt, add_special_tokens=False))
 
     limits = session.config.limits
     return SearchService(session.search_runtimes, session.config.search,

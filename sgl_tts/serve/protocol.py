@@ -1,11 +1,14 @@
 """The OpenAI chat-completions format, mapped onto searches.
 
-Request: `model` names a registered search program; the one message (role "user") is the question: a
-system message or earlier turns are refused (400 naming them), since a search's prompt is the generator's
-chat template around one question. The search settings (`n`, `beam_width`, `max_tokens`, `temperature`,
-`seed`, ... every `SearchConfig` field but `program`) ride in the body beside the OpenAI fields;
-`max_completion_tokens` is `max_tokens`; `stop` is refused (a search stops at its step delimiter and its
-answer). `n` is the search's n: the reply has one choice.
+Request: `model` names a registered search program; `messages` are applied through the generator's chat
+template as in OpenAI's API (`sgl_tts.frontend.backend.chat_prompt`): a first message of role "system" (or
+"developer") replaces the solver's default system prompt (`SYSTEM_PROMPT`), the user and assistant turns after
+it follow in order, and the last message, the user's, is the question (the search's `Problem.question`): the
+search grows its paths from the generation prompt after it. A message of another role or in another place is
+a 400 naming it. The search settings (`n`, `beam_width`, `max_tokens`, `temperature`, `seed`, ... every
+`SearchConfig` field but `program`) ride in the body beside the OpenAI fields; `max_completion_tokens` is
+`max_tokens`; `stop` is refused (a search stops at its step delimiter and its answer). `n` is the search's n:
+the reply has one choice.
 Reply: the message is the selected solution; `usage` counts the whole search (every path's generated
 tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field carries the candidates
 with their step scores, and the timings.
@@ -18,12 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_tts.frontend.backend import SYSTEM_PROMPT, Chat, Turn
 from sgl_tts.search.api import SearchConfig
 from sgl_tts.search.limits import Limits
 from sgl_tts.search.records import SearchResult
 
 OPENAI_FIELDS = ("model", "messages", "stream", "stream_options", "user", "max_completion_tokens", "stop")
 SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchConfig) if f.name != "program")
+SYSTEM_ROLES = ("system", "developer")  # "developer": OpenAI's newer name for the system message
+TURN_ROLES = ("user", "assistant")
 EXTENSION = "sgl_tts"  # the reply field with what OpenAI's format has no place for
 
 
@@ -38,10 +44,11 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class ChatRequest:
     program: str
-    question: str
+    question: str  # the last user turn
     settings: dict[str, Any]  # search settings from the body, validated by SearchService.search_config
     stream: bool = False
     include_usage: bool = False
+    chat: Chat = Chat()  # the system prompt and the turns before the question
 
 
 def _text(content: Any, where: str) -> str:
@@ -51,6 +58,41 @@ def _text(content: Any, where: str) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise RequestError(where, f"'{where}' must be a string or a list of text parts")
+
+
+def parse_messages(messages: Any, limits: Limits = Limits()) -> tuple[str, Chat]:
+    """The question (the last message, the user's) and the chat before it, from a request's `messages`."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "'messages' must be a non-empty list of messages")
+    if len(messages) > limits.messages:
+        raise RequestError("messages", f"'messages' has {len(messages)} messages, above the limit "
+                                       f"{limits.messages} (limits.messages)")
+    texts = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(where, f"'{where}' must be an object with a 'role'")
+        role = message["role"]
+        if role not in SYSTEM_ROLES + TURN_ROLES:
+            raise RequestError(where + ".role", f"'{where}' has the unknown role {role!r}; known roles: "
+                                                f"{', '.join(SYSTEM_ROLES + TURN_ROLES)}")
+        if role in SYSTEM_ROLES and index > 0:
+            raise RequestError(where + ".role", f"'{where}' has role {role!r}: only the first message may be a "
+                                                "system message (it replaces the solver's system prompt)")
+        text = _text(message.get("content"), where + ".content")
+        if len(text) > limits.message_chars:
+            raise RequestError(where + ".content", f"'{where}.content' is {len(text)} characters, above the limit "
+                                                   f"{limits.message_chars} (limits.message_chars)")
+        texts.append(text)
+    where = f"messages[{len(messages) - 1}]"
+    if messages[-1]["role"] != "user":
+        raise RequestError(where + ".role", f"the last message must have role 'user' (the question the search "
+                                            f"answers), got {messages[-1]['role']!r}")
+    if not texts[-1].strip():
+        raise RequestError(where + ".content", "the question is empty")
+    system = texts[0] if messages[0]["role"] in SYSTEM_ROLES else SYSTEM_PROMPT
+    turns = tuple(Turn(m["role"], text) for m, text in zip(messages[:-1], texts) if m["role"] in TURN_ROLES)
+    return texts[-1], Chat(system, turns)
 
 
 def parse_chat_request(body: Any, limits: Limits = Limits()) -> ChatRequest:
@@ -66,29 +108,7 @@ def parse_chat_request(body: Any, limits: Limits = Limits()) -> ChatRequest:
     if body.get("stop") is not None:
         raise RequestError("stop", "'stop' is not supported: a search ends its steps at 'step_delimiter' and its "
                                    "paths at their answer; leave 'stop' out")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "'messages' must be a non-empty list of messages")
-    if len(messages) > limits.messages:
-        raise RequestError("messages", f"'messages' has {len(messages)} messages, above the limit "
-                                       f"{limits.messages} (limits.messages)")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{index}]", f"'messages[{index}]' must be an object with a 'role'")
-    if len(messages) > 1:
-        where = f"messages[{len(messages) - 2}]"
-        raise RequestError(where, f"one message (the user's question) is supported; '{where}' (role "
-                                  f"{messages[-2]['role']!r}) would be dropped: a search's prompt is the generator's "
-                                  "chat template around the one question, with the project's system prompt")
-    where = "messages[0]"
-    if messages[0]["role"] != "user":
-        raise RequestError(where, f"the message must have role 'user' (the question), got {messages[0]['role']!r}")
-    question = _text(messages[0].get("content"), where + ".content")
-    if len(question) > limits.message_chars:
-        raise RequestError(where + ".content", f"'{where}.content' is {len(question)} characters, above the limit "
-                                               f"{limits.message_chars} (limits.message_chars)")
-    if not question.strip():
-        raise RequestError(where + ".content", "the question is empty")
+    question, chat = parse_messages(body.get("messages"), limits)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream", f"'stream' must be true or false, got {stream!r}")
@@ -101,7 +121,7 @@ def parse_chat_request(body: Any, limits: Limits = Limits()) -> ChatRequest:
             raise RequestError("max_completion_tokens", "'max_completion_tokens' is 'max_tokens' (per path): give "
                                                         "one of them, or the same value")
         settings["max_tokens"] = body["max_completion_tokens"]
-    return ChatRequest(program=model, question=question, stream=stream,
+    return ChatRequest(program=model, question=question, chat=chat, stream=stream,
                        include_usage=bool(options.get("include_usage", False)), settings=settings)
 
 

@@ -14,6 +14,7 @@ blocked never holds up the process's exit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -23,7 +24,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2 import TemplateError
+
 from sgl_tts.config import ConfigError, load_dataclass, to_dict
+from sgl_tts.frontend.backend import Chat, ChatPrompt
 from sgl_tts.problems import Problem
 from sgl_tts.runtime.server import abort_requests
 from sgl_tts.scoring.base import aggregate
@@ -58,7 +62,8 @@ class SearchJob:
     id: str
     program: str
     search: SearchConfig
-    question: str
+    question: str  # the last user turn
+    chat: Chat = Chat()  # the system prompt and the turns before the question
     context: SearchContext | None = None  # the search's state: its requests in flight, cancellation
     future: Future = field(default_factory=Future)  # its answer: the result, or why there is none
     started_s: float = field(default_factory=time.monotonic)
@@ -81,8 +86,8 @@ def request_error(field: str | None, message: str, reason: str = "bad_request") 
 class SearchService:
     """Runs searches on shared runtimes. `validate(search)` checks a search config against the whole run
     config (e.g. `RunConfig`'s program-specific rules); it raises ValueError. A request's search is bounded
-    by `limits` (the operator's, never the request's); `prompt_tokens(question)` counts the tokens of the
-    question's prompt, checked with the search's `max_tokens` against `context_tokens` (None: unchecked).
+    by `limits` (the operator's, never the request's); `prompt_tokens(prompt)` counts the tokens of a request's
+    prompt text, checked with the search's `max_tokens` against `context_tokens` (None: unchecked).
     `health` (a `Supervisor`, None: not watched) names the runtimes that are down: new searches are refused
     (`Unavailable`) until they are up again."""
 
@@ -145,12 +150,17 @@ class SearchService:
                 raise ConfigError(f"request: {exc}") from exc
         return search
 
-    def check_prompt(self, question: str, search: SearchConfig) -> None:
-        """Refuse (ConfigError naming `messages` or `max_tokens`) a question whose prompt, with the search's
-        `max_tokens` after it, does not fit the generator's context."""
+    def check_prompt(self, question: str, search: SearchConfig, chat: Chat = Chat()) -> None:
+        """Refuse (ConfigError naming `messages` or `max_tokens`) a request whose prompt, `question` after `chat`
+        in the generator's chat format, cannot be made or, with the search's `max_tokens` after it, does not fit
+        the generator's context."""
+        try:
+            prompt = chat_runtimes(self.runtimes, chat).prompt(question)
+        except TemplateError as exc:  # a chat template's own refusal, e.g. of roles that do not alternate
+            raise request_error("messages", f"the generator's chat template refuses the messages: {exc}") from None
         if self.prompt_tokens is None or self.context_tokens is None:
             return
-        tokens = self.prompt_tokens(question)
+        tokens = self.prompt_tokens(prompt)
         if tokens >= self.context_tokens:
             raise request_error("messages", f"the prompt is {tokens} tokens, the generator's context "
                                             f"{self.context_tokens}: shorten the question", "limits")
@@ -160,10 +170,11 @@ class SearchService:
                                               f"{self.context_tokens - tokens}", "limits")
 
     def submit(self, program: str, search: SearchConfig, question: str,
-               on_progress: ProgressCallback | None = None) -> SearchJob:
-        """Start a search; raises Busy when `max_searches` are in flight. `on_progress(event)` is called from
-        the search's thread after each scoring round; raises Unavailable while a runtime is down, ShuttingDown
-        once the server is shutting down."""
+               on_progress: ProgressCallback | None = None, chat: Chat = Chat()) -> SearchJob:
+        """Start a search of `question` after `chat` (`chat_runtimes`; checked by `check_prompt`); raises Busy
+        when `max_searches` are in flight. `on_progress(event)` is called from the search's thread after each
+        scoring round; raises Unavailable while a runtime is down, ShuttingDown once the server is shutting
+        down."""
         if self.shutting_down:
             self.refused("unavailable")
             raise ShuttingDown("the server is shutting down")
@@ -175,7 +186,7 @@ class SearchService:
             self.refused("busy")
             raise Busy(f"{self.max_searches} searches in flight")
         job = SearchJob(id=f"{next(self._numbers)}-{uuid.uuid4().hex[:8]}", program=program, search=search,
-                        question=question, on_progress=on_progress)
+                        question=question, chat=chat, on_progress=on_progress)
         job.future.set_running_or_notify_cancel()  # only the service settles it (a waiter's cancel does not)
         with self._lock:
             self.counts["in_flight"] += 1
@@ -271,7 +282,8 @@ class SearchService:
         job.running = True
         try:
             problem = Problem(id=f"serve-{job.id}", question=job.question, gold=None)
-            result = load_program(job.program)(problem, job.search, self.runtimes, job.context)
+            result = load_program(job.program)(problem, job.search, chat_runtimes(self.runtimes, job.chat),
+                                               job.context)
             outcome = "completed"
         except BaseException as exc:  # the thread's end: the error goes to the future
             error = exc
@@ -300,6 +312,21 @@ class SearchService:
                 break
             rids = job.context.in_flight()
         job.aborted.set()
+
+
+def chat_runtimes(runtimes: Runtimes, chat: Chat) -> Runtimes:
+    """`runtimes` whose prompts put `chat` (a request's system prompt and earlier turns) before the question, each
+    in its generator's chat format (`ChatPrompt`). The default chat keeps `runtimes`; a prompt that is a plain
+    function of the question takes no other (ConfigError naming `messages`)."""
+    if chat == Chat():
+        return runtimes
+    prompts = {name: prompt for name in ("prompt", "target_prompt") if (prompt := getattr(runtimes, name))}
+    plain = [name for name, prompt in prompts.items() if not isinstance(prompt, ChatPrompt)]
+    if plain:
+        raise request_error("messages", f"this server's {plain[0]} takes one question: send the one user message "
+                                        "without a system message or earlier turns")
+    return dataclasses.replace(runtimes, **{name: dataclasses.replace(prompt, chat=chat)
+                                            for name, prompt in prompts.items()})
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -1,0 +1,98 @@
+"""The batched decode attention against SGLang's own per-sequence loop, and its fallbacks."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torch_native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
+
+from policies.cpu_attention import batched_decode, decode_hook  # noqa: E402
+
+LOOP = torch_native.TorchNativeAttnBackend._run_sdpa_forward_decode
+
+
+def paged_batch(batch, heads=9, kv_heads=3, dim=16, slots=600, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator)
+    req_to_token = torch.randint(0, slots - 1, (batch + 3, 64), generator=generator, dtype=torch.int32)
+    req_pool_indices = torch.randperm(batch + 3, generator=generator)[:batch]
+    seq_lens = torch.randint(1, 64, (batch,), generator=generator)
+    query = torch.randn(batch, heads, dim, generator=generator)
+    return query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 32])
+@pytest.mark.parametrize("kv_heads", [3, 9])
+def test_batched_decode_matches_sglangs_loop(batch, kv_heads):
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, kv_heads=kv_heads, seed=batch)
+    gqa = kv_heads != 9
+    expected = LOOP(None, query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                    scaling=0.25, enable_gqa=gqa)
+    output = torch.full_like(query, float("nan"))
+    batched_decode(query, output, k_cache, v_cache, req_to_token, pool, seq_lens, scaling=0.25, enable_gqa=gqa)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_slots_are_never_attended():
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(4)
+    seq_lens[:] = torch.tensor([1, 5, 63, 20])
+    first = batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                           scaling=0.25, enable_gqa=True).clone()
+    # Point every slot past each sequence's length at the one slot no sequence uses, and poison it.
+    poison = k_cache.shape[0] - 1
+    for row, length in zip(pool.tolist(), seq_lens.tolist()):
+        req_to_token[row, length:] = poison
+    k_cache[poison], v_cache[poison] = 1e4, -1e4
+    second = batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                            scaling=0.25, enable_gqa=True)
+    torch.testing.assert_close(second, first)
+
+
+def test_hook_passes_what_it_does_not_cover_to_sglang():
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(3)
+    calls = []
+
+    def original(backend, *args, **kwargs):
+        calls.append(kwargs)
+        return "loop"
+
+    args = (query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens)
+    assert decode_hook(original, None, *args, sliding_window_size=8) == "loop"
+    assert decode_hook(original, None, *args, encoder_lens=seq_lens) == "loop"
+    assert decode_hook(original, None, *args, is_cross_attn=True) == "loop"
+    assert len(calls) == 3
+    assert decode_hook(original, None, *args, sliding_window_size=-1, enable_gqa=True) is args[1]
+    assert len(calls) == 3
+
+
+@pytest.mark.runtime
+def test_a_cpu_runtime_decodes_as_transformers_does(tiny_runtime):
+    """Greedy decoding of several prompts of different lengths at once on the CPU runtime (batched decode attention
+    by default): every generated token's logprob is what transformers computes for the same token sequence."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from sgl_tts.runtime.server import http_json
+
+    prompts = [[1, 2, 3], list(range(5, 40)), list(range(100, 117)), [7] * 60]
+
+    def generate(ids):
+        return http_json(tiny_runtime.url + "/generate", {
+            "input_ids": ids, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(generate, prompts))
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
+    for ids, answer in zip(prompts, answers):
+        generated = [token for _, token, _ in answer["meta_info"]["output_token_logprobs"]]
+        served = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        assert len(generated) == 12
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        torch.testing.assert_close(served, reference[torch.arange(12), generated], atol=2e-3, rtol=0)
+        # Greedy: each token is transformers' best (or within the tolerance of it).
+        best = reference.max(dim=-1).values
+        assert bool((reference[torch.arange(12), generated] >= best - 2e-3).all())

@@ -1,0 +1,89 @@
+"""The scheduler step trace: hooks that record a step, and the split of a median decode step."""
+
+import json
+
+import pytest
+
+from policies.step_timing import StepTrace, read_trace, step_split
+from sgl_tts.bench.runtime import MachineCeiling
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Batch:
+    def __init__(self, size, mode="DECODE"):
+        self.size = size
+        self.forward_mode = type("Mode", (), {"name": mode})()
+
+    def batch_size(self):
+        return self.size
+
+
+def test_hooks_record_the_forward_inside_the_step(tmp_path):
+    clock = FakeClock()
+    trace = StepTrace(str(tmp_path / "trace.jsonl"), clock)
+
+    def forward(runner):
+        clock.now += 0.030
+        return "logits"
+
+    def run_batch(scheduler, batch):
+        clock.now += 0.002
+        assert trace.model_forward(lambda runner: forward(runner), "runner") == "logits"
+        clock.now += 0.005  # sampling
+        return "result"
+
+    clock.now = 10.0
+    assert trace.run_batch(run_batch, "scheduler", Batch(16)) == "result"
+    [record] = read_trace(str(tmp_path / "trace.jsonl"))
+    assert record["mode"] == "DECODE" and record["batch"] == 16 and record["start"] == 10.0
+    assert record["run"] == pytest.approx(0.037) and record["forward"] == pytest.approx(0.030)
+
+
+def test_step_split_takes_the_median_decode_step_of_one_batch_size():
+    records = []
+    start = 0.0
+    for forward, run, gap in ((0.030, 0.040, 0.050), (0.032, 0.041, 0.052), (0.100, 0.200, 0.300)):
+        records.append({"mode": "DECODE", "batch": 8, "start": start, "run": run, "forward": forward})
+        start += gap
+    records.append({"mode": "DECODE", "batch": 8, "start": start, "run": 0.04, "forward": 0.03})
+    records.append({"mode": "EXTEND", "batch": 8, "start": start + 0.05, "run": 0.5, "forward": 0.4})
+    records.append({"mode": "DECODE", "batch": 4, "start": start + 0.6, "run": 0.01, "forward": 0.01})
+    records.append({"mode": "DECODE", "batch": 8, "start": start + 9.0, "run": 0.04, "forward": 0.03})  # after idle
+    split = step_split(records, 8)
+    assert split.steps == 3  # the three decode-to-decode gaps of batch 8, not the extend, batch 4 or the idle gap
+    assert split.step_s == pytest.approx(0.052)
+    assert split.forward_s == pytest.approx(0.032)
+    assert split.sampling_s == pytest.approx(0.041 - 0.032)
+    assert split.around_s == pytest.approx(0.052 - 0.041)
+    assert split.share(split.forward_s) == pytest.approx(0.032 / 0.052)
+    assert step_split(records, 16) is None
+
+
+def test_roofline_bound_is_bandwidth_at_small_batches_and_compute_at_large():
+    ceiling = MachineCeiling(flops=100e9, read_bandwidth=20e9)
+    parameters = 100_000_000  # 400 MB fp32 per step: 20 ms; 0.2 GFLOP per token: 2 ms per token
+    assert ceiling.decode_tokens_per_s(1, parameters) == pytest.approx(1 / 0.020)
+    assert ceiling.decode_tokens_per_s(10, parameters) == pytest.approx(10 / 0.020)  # the two are equal at 10
+    assert ceiling.decode_tokens_per_s(64, parameters) == pytest.approx(64 / (64 * 0.002))
+
+
+def test_data_parallel_ranks_in_one_file_are_split_by_process():
+    records = []
+    for pid, offset in ((1, 0.0), (2, 0.013)):  # two ranks stepping 30 ms apart each, interleaved in time
+        records += [{"pid": pid, "mode": "DECODE", "batch": 32, "start": offset + 0.030 * i, "run": 0.02,
+                     "forward": 0.015} for i in range(5)]
+    split = step_split(records, 32)
+    assert split.steps == 8 and split.step_s == pytest.approx(0.030)
+
+
+def test_an_arm_knows_its_data_parallel_ranks():
+    from sgl_tts.bench.runtime import RuntimeArm
+
+    assert RuntimeArm("dp", ("--dp-size", "2")).ranks == 2 and RuntimeArm("one", ()).ranks == 1
