@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sgl_tts import env_names
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -165,8 +167,8 @@ def test_two_checkouts_sharing_the_environment_each_run_their_own_code(tmp_path)
                    check=True, capture_output=True)
     (a / ".venv").symlink_to(shared)
 
-    env = {**os.environ, "SGLTTS_CACHE": str(tmp_path / "cache")}
-    env.pop("SGL_TTS_CACHE", None)
+    env = {**os.environ, env_names.CACHE: str(tmp_path / "cache")}
+    env.pop(env_names.old_name(env_names.CACHE), None)
 
     def set_up(checkout):
         done = subprocess.run(["bash", checkout / "scripts/setup.sh", "--checkout-only"], env=env,
