@@ -17,35 +17,15 @@ def test_unknown_program_lists_known_names():
 
 
 def test_user_program_file_is_loaded_and_runs(tmp_path):
-    source = '''
-import sglang as sgl
-from sgl_tts.search.api import ReasoningPath, build_result, expand
-from sgl_tts.search.context import SearchContext
-from sgl_tts.search.grading import extract_answer
+    from test_search_accounting import OWN_STATE_EXPANDED  # a user's program: its own state, one path by expand
 
-def run(problem, config, runtimes):
-    tracker = SearchContext(config)
-    prompt = runtimes.prompt(problem.question)
-
-    @sgl.function
-    def greedy(s):
-        s += prompt
-        path = ReasoningPath(state=s)
-        for _ in range(config.max_steps):
-            (path,) = expand([(path, 1)], config, tracker, extract_answer)
-            if not path.active:
-                break
-        return [path]
-
-    paths = greedy.run(backend=runtimes.generator).ret_value
-    return build_result(problem.id, "greedy_chain", paths, config, tracker)
-'''
+    source = OWN_STATE_EXPANDED
     path = tmp_path / "greedy_chain.py"
     path.write_text(source)
     run = load_program(str(path))
     result = run(Problem("q", "1+1?", "2"), SearchConfig(n=1, max_steps=5, max_tokens=1000),
                  Runtimes(generator=ScriptedBackend(), scorer=ScriptedScorer(), prompt=lambda q: q + "\n\n"))
-    assert result.program == "greedy_chain"
+    assert result.program == "own_state_expanded"
     assert len(result.candidates) == 1 and 1 <= len(result.candidates[0].steps) <= 5
 
 
