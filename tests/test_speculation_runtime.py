@@ -84,6 +84,9 @@ def test_a_standard_request_preempts_a_speculative_one(priority_runtime):
         return (sum(int(r.get("num_running_reqs", 0)) for r in ranks),
                 sum(int(r.get("num_waiting_reqs", 0)) for r in ranks))
 
+    def used_tokens():
+        return sum(int(r.get("num_used_tokens", 0)) for r in http_json(runtime.url + "/v1/loads?include=core")["loads"])
+
     def wait_for(condition, what):
         deadline = time.monotonic() + 300
         while not condition():
@@ -94,11 +97,15 @@ def test_a_standard_request_preempts_a_speculative_one(priority_runtime):
     speculative = threading.Thread(target=send, args=("spec", fast.speculative_priority, 2000))
     speculative.start()
     wait_for(lambda: loads()[0] == 1, "the speculative request to run")
+    running_with = used_tokens()  # its prompt and what it has decoded so far
+    wait_for(lambda: used_tokens() > running_with, "the speculative request to decode")
     standard = threading.Thread(target=send, args=("standard", fast.standard_priority, 4))
     standard.start()
     standard.join(timeout=300)
     assert finished == ["standard"], f"the standard request should finish first; finished: {finished}"
     wait_for(lambda: loads()[0] == 1, "the speculative request to resume")
+    resumed_with = used_tokens()
+    wait_for(lambda: used_tokens() > resumed_with, "the resumed request to decode")  # an abort before it answers 0
     http_json(runtime.url + "/abort_request", {"rid": "spec"})
     speculative.join(timeout=300)
     runtime.check_alive()
