@@ -76,13 +76,18 @@ def sglang_tokens_per_s(url: str, prompts: list[str], new_tokens: int) -> float:
     return tokens / (time.perf_counter() - began)
 
 
-def hf_tokens_per_s(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
-    import torch
-
+def left_padded(tokenizer, prompts: list[str]):
+    """`prompts` as one left-padded batch (a decoder's new tokens follow every prompt's last token)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def hf_tokens_per_s(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
+    import torch
+
+    batch = left_padded(tokenizer, prompts)
     began = time.perf_counter()
     with torch.no_grad():
         output = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -200,10 +205,7 @@ def bare_forward_sample(model, tokenizer, prompts: list[str], new_tokens: int) -
     no text). tokens_per_s counts the decode forwards only."""
     import torch
 
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = left_padded(tokenizer, prompts)
     mask = batch.attention_mask
     with torch.no_grad():
         began = time.perf_counter()

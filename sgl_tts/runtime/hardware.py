@@ -119,14 +119,17 @@ def plan_hardware(device: str, name: str | None, device_name: Callable[[], str |
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
+def read_cpuinfo() -> str:
+    """This host's `/proc/cpuinfo`; empty where it is unreadable."""
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The flags of this host's first CPU (`/proc/cpuinfo`, or the text given); empty where it is unreadable."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = open("/proc/cpuinfo").read()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
+    for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
@@ -136,11 +139,7 @@ def cpu_summary(cpuinfo: str | None = None) -> str:
     """This host's CPU for a figure's caption: model name, cores, and which of SIMD_FLAGS it has."""
     import platform
 
-    if cpuinfo is None:
-        try:
-            cpuinfo = open("/proc/cpuinfo").read()
-        except OSError:
-            cpuinfo = ""
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.processor() or "unknown CPU")
     flags = cpu_flags(cpuinfo)
