@@ -187,6 +187,11 @@ class Session:
             search_runtimes.target_prompt = ChatPrompt(self._target_tokenizer)
         return search_runtimes
 
+    @property
+    def scorer_tokenizer(self) -> Any:
+        """The tokenizer of the scorer's runtime (the generator's when the scorer reads from it)."""
+        return self._scorer_tokenizer
+
     def restart(self, name: str) -> None:
         """Replace runtime `name` (dead, say) by a new server of the same config and name, and point the search
         runtimes at it: the endpoints, scorer and speculation client are made anew and swapped into the same

@@ -69,14 +69,21 @@ class FastTTSArm:
         return cls(label, switches, "V" in parts)
 
 
-def server_counters(runtime: Any) -> dict[str, float]:
-    """The runtime's eviction and retraction counters (0 when it exports no metrics)."""
+def server_counters(runtime: Any, counters: dict[str, str] = SERVER_COUNTERS) -> dict[str, float]:
+    """The runtime's Prometheus `counters` (name -> metric; default: eviction and retraction), each summed over
+    its label sets; 0 when the runtime exports no metrics."""
     try:
         text = http_text(runtime.url + "/metrics", timeout=30)
     except OSError:
-        return {name: 0.0 for name in SERVER_COUNTERS}
+        return {name: 0.0 for name in counters}
+    return read_counters(text, counters)
+
+
+def read_counters(text: str, counters: dict[str, str]) -> dict[str, float]:
+    """From Prometheus exposition `text`: each of `counters` (name -> metric) summed over its label sets (0 when
+    absent)."""
     return {name: sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-            for name, metric in SERVER_COUNTERS.items()}
+            for name, metric in counters.items()}
 
 
 def flush_caches(runtimes: dict[str, Any]) -> None:
@@ -289,18 +296,23 @@ class BenchOptions:
 def _base_config(options: BenchOptions) -> Any:
     from sgl_tts.app.session import load_run_config
 
-    config = load_run_config(options.config)
+    config = with_metrics(load_run_config(options.config))
+    search = dataclasses.replace(
+        config.search, beam_width=options.beam_width, max_steps=options.max_steps,
+        max_step_tokens=options.max_step_tokens, max_tokens=options.max_steps * options.max_step_tokens,
+        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
+    return dataclasses.replace(config, search=search, concurrency=options.concurrency, log_dir=options.log_dir)
+
+
+def with_metrics(config: Any) -> Any:
+    """The run config with SGLang's Prometheus metrics (`--enable-metrics`: /metrics) on its generator and, when
+    it has one, its scorer runtime."""
     metrics = lambda rc: dataclasses.replace(rc, extra_args=[*rc.extra_args, "--enable-metrics"]) \
         if "--enable-metrics" not in rc.extra_args else rc
     scorer = config.scorer
     if scorer.runtime is not None:
         scorer = dataclasses.replace(scorer, runtime=metrics(scorer.runtime))
-    search = dataclasses.replace(
-        config.search, beam_width=options.beam_width, max_steps=options.max_steps,
-        max_step_tokens=options.max_step_tokens, max_tokens=options.max_steps * options.max_step_tokens,
-        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
-    return dataclasses.replace(config, generator=metrics(config.generator), scorer=scorer, search=search,
-                               concurrency=options.concurrency, log_dir=options.log_dir)
+    return dataclasses.replace(config, generator=metrics(config.generator), scorer=scorer)
 
 
 def protocol_of(options: BenchOptions, ns: list[int], fractions: list[float]) -> str:

@@ -1,4 +1,4 @@
-"""`sgl-tts bench runtime|fasttts|verifier|serve`: benchmarks that print side-by-side ratios (`sgl_tts.bench`)."""
+"""`sgl-tts bench runtime|fasttts|verifier|serve|peers`: benchmarks that print side-by-side ratios (`sgl_tts.bench`)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,28 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each arm (interleaved)")
     parser.set_defaults(func=bench_serve)
 
+    parser = bench_commands.add_parser("peers", help="its-hub and optillm against sgl-tts's programs on the same "
+                                                     "SGLang runtimes: accuracy, time, tokens, requests, frontiers "
+                                                     "(needs `make peers`)")
+    parser.add_argument("--config", default="cpu-default",
+                        help="run config (YAML path or packaged name): models, PRM, search settings, dataset")
+    parser.add_argument("--systems", default=None, help="comma-separated system names (default: all)")
+    parser.add_argument("--algorithms", default=None,
+                        help="comma-separated: self_consistency, best_of_n, step_search (default: all)")
+    parser.add_argument("--ns", default="1,2,4,8,16", help="comma-separated n values")
+    parser.add_argument("--problems", type=int, default=80, help="problems of the config's dataset")
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--max-step-tokens", type=int, default=None, help="default: the config's")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: the config's")
+    parser.add_argument("--step-delimiter", default=None, help="escapes allowed (default: the config's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-peers",
+                        help="folder of peers.jsonl (resumed when it exists), peers.md and the frontier plots")
+    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
+    parser.add_argument("--report-only", action="store_true", help="report --out's results, run nothing")
+    parser.set_defaults(func=bench_peers)
+
 
 def options_from(args: argparse.Namespace, options_class: type) -> object:
     """The options dataclass filled from the parsed arguments of the same names."""
@@ -170,3 +192,9 @@ def bench_serve(args: argparse.Namespace) -> int:
 
     return run_bench(config=args.config, program=args.program, clients=args.clients, requests=args.requests,
                      replicas=args.replicas, repeats=args.repeats)
+
+
+def bench_peers(args: argparse.Namespace) -> int:
+    from eval.peers import PeersOptions, run_peers
+
+    return run_peers(options_from(args, PeersOptions))

@@ -1,0 +1,310 @@
+"""`sgl-tts bench peers`: the run (one problem at a time, systems interleaved, resumable) and its report.
+
+The run: one Session of the run config (`--enable-metrics` on its runtimes, one search at a time) whose generator
+and PRM runtimes every system uses (`sgl_tts.bench.peers`). For each n, for each problem, every system once, in
+an order rotated by one per problem (so no system always runs first, or always after the same one); before each,
+the runtimes' radix caches are flushed, so no system inherits another's prefill of the problem. Each measurement
+is appended to `peers.jsonl` in the output folder (`eval.results.ResultStore`: a provenance header per start,
+fsync'ed lines); a run started again skips the (system, n, problem) lines it holds and measures the rest.
+
+The report, from the lines alone (`peers_summary`, `report_markdown`, `plot_frontiers`): per algorithm × system
+× n, the accuracy with its 95% Wilson interval, McNemar's exact p (and the paired-bootstrap difference) against
+the algorithm's sgl-tts reference system at the same n on the same problems (`eval.budget`), the wall time per
+problem (median [min-max], and the mean the frontier uses), tokens and requests per problem by runtime, the
+request pattern, and the time ratio at matched accuracy: the least mean time any sgl-tts system of the algorithm
+needs for at least this accuracy, over this system's time (`measure.frontier.cost_to_reach`; < 1: sgl-tts is
+faster there). Two plots: accuracy against mean wall time and against processed tokens per problem, one curve per
+system over its n values, each system's Pareto frontier points filled (`measure.frontier.pareto_front`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from eval.budget import Outcome, accuracy, compare_paired
+from eval.results import ResultStore, provenance
+from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_settings, measure_problem, systems_named
+from sgl_tts.measure.frontier import cost_to_reach, pareto_front
+from sgl_tts.measure.summary import median_range
+from sgl_tts.measure.tables import Column, console_table, markdown_table
+from sgl_tts.paths import write_atomic
+
+RESULTS = "peers.jsonl"
+WARM_UP_QUESTION = "What is 2 + 3?"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersOptions:
+    """What `sgl-tts bench peers` runs; None takes the run config's value."""
+
+    config: str = "cpu-default"  # run config (YAML path or packaged name): models, PRM, search settings, dataset
+    systems: str | None = None  # comma-separated system names (default: all of the algorithms)
+    algorithms: str | None = None  # comma-separated, of ALGORITHMS (default: all)
+    ns: str = "1,2,4,8,16"
+    problems: int = 80
+    offset: int = 0
+    max_steps: int | None = None
+    max_step_tokens: int | None = None
+    max_tokens: int | None = None
+    step_delimiter: str | None = None  # escapes allowed
+    seed: int = 0
+    out: str = "bench-peers"
+    log_dir: str | None = None
+    report_only: bool = False  # report the results in `out`, run nothing
+
+
+def run_config(options: PeersOptions) -> Any:
+    from sgl_tts.app.session import load_run_config
+    from sgl_tts.bench.fasttts import with_metrics
+
+    config = with_metrics(load_run_config(options.config))
+    overrides = {name: getattr(options, name) for name in ("max_steps", "max_step_tokens", "max_tokens")
+                 if getattr(options, name) is not None}
+    if options.step_delimiter is not None:
+        overrides["step_delimiter"] = options.step_delimiter.encode().decode("unicode_escape")
+    search = dataclasses.replace(config.search, seed=options.seed, **overrides)
+    check_settings(search)
+    return dataclasses.replace(config, search=search, concurrency=1, log_dir=options.log_dir)
+
+
+def rotated(items: list[Any], by: int) -> list[Any]:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def run_order(systems: list[Any], problems: list[Any], ns: list[int]) -> list[tuple[int, Any, Any]]:
+    """(n, problem, system) in run order: n by n, problem by problem, the systems rotated by one per problem."""
+    order = []
+    for n in ns:
+        for index, problem in enumerate(problems):
+            order += [(n, problem, system) for system in rotated(list(systems), index)]
+    return order
+
+
+def run_peers(options: PeersOptions) -> int:
+    out = Path(options.out)
+    store = ResultStore(out / RESULTS)
+    if options.report_only:
+        return report(store.records(), out)
+    from sgl_tts.app.session import Session
+    from sgl_tts.bench.fasttts import flush_caches
+    from sgl_tts.problems import Problem, load_problems
+    from sgl_tts.runtime.hardware import cpu_summary
+
+    config = run_config(options)
+    systems = systems_named(options.systems, options.algorithms)
+    ns = [int(n) for n in options.ns.split(",")]
+    problems = list(load_problems(config.dataset.name, limit=options.problems, offset=options.offset))
+    done = {(r["system"], r["n"], r["problem_id"]) for r in store.records() if not r.get("failed")}
+    todo = [(n, p, s) for n, p, s in run_order(systems, problems, ns) if (s.name, n, str(p.id)) not in done]
+    search = config.search
+    store.append_run(provenance({"options": dataclasses.asdict(options), "search": dataclasses.asdict(search),
+                                 "generator": config.generator.model, "scorer": config.scorer.kind,
+                                 "cpu": cpu_summary(), "load_average": os.getloadavg()}))
+    print(f"bench peers: {len(systems)} systems x n in {ns} x {len(problems)} problems; {len(todo)} measurements to "
+          f"go ({len(done)} in {store.path}); temperature {search.temperature}, top_p {search.top_p}, max_tokens "
+          f"{search.max_tokens}, steps <= {search.max_steps} x {search.max_step_tokens}, delimiter "
+          f"{search.step_delimiter!r}, aggregation {search.aggregation}; {cpu_summary()}", flush=True)
+    began = time.monotonic()
+    if todo:
+        with Session(config) as session:
+            runtimes = PeerRuntimes.of_session(session)
+            warm_up = Problem(id="warm-up", question=WARM_UP_QUESTION, gold="5")
+            for system in {s.algorithm: s for s in systems}.values():  # one system per algorithm loads its code
+                measure_problem(system, warm_up, dataclasses.replace(search, n=2), runtimes)
+            for n, problem, system in todo:
+                flush_caches(session.runtimes)
+                try:
+                    row = measure_problem(system, problem, dataclasses.replace(search, n=n), runtimes)
+                except Exception as exc:  # one system failing one problem: recorded, the run goes on
+                    row = {"system": system.name, "algorithm": system.algorithm, "n": n,
+                           "problem_id": str(problem.id), "failed": True, "error": f"{type(exc).__name__}: {exc}"}
+                store.append({**row, "load_average": os.getloadavg()[0]})
+                print(f"[n={n} {problem.id}] {system.name}: " + (
+                    f"FAILED {row['error']}" if row.get("failed") else
+                    f"{'right' if row['correct'] else 'wrong'} ({row['answer']!r}), {row['wall_s']:.1f} s, generated "
+                    f"{row['generator']['generated_tokens']:.0f} tok, requests gen {row['client_requests']['generator']}"
+                    f" / PRM {row['client_requests']['prm']}"), flush=True)
+    print(f"bench peers: {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+    return report(store.records(), out)
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last successful line per (system, n, problem)."""
+    latest: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for record in records:
+        if not record.get("failed") and record.get("correct") is not None:
+            latest[(record["system"], record["n"], record["problem_id"])] = record
+    return list(latest.values())
+
+
+def processed_tokens(row: dict[str, Any]) -> float:
+    """What the runtimes computed for a row: generated tokens plus prompt tokens not served from the radix cache,
+    of the generator and of the PRM."""
+    generator, prm = row["generator"], row.get("prm") or {}
+    return (generator["generated_tokens"] + generator["prompt_tokens"] - generator["cached_tokens"]
+            + prm.get("prompt_tokens", 0.0) - prm.get("cached_tokens", 0.0))
+
+
+def _mean(rows: list[dict[str, Any]], get: Any) -> float:
+    return statistics.fmean(get(r) for r in rows)
+
+
+def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (system, n) cell: accuracy (eval.budget.accuracy over its problems), time and per-problem means."""
+    outcomes = {(0, 0, r["problem_id"]): Outcome(bool(r["correct"]), int(r["generator"]["generated_tokens"]),
+                                                r.get("level")) for r in rows}
+    prm = lambda key: lambda r: (r.get("prm") or {}).get(key, 0.0)  # noqa: E731
+    return {
+        **accuracy(outcomes.values()), "outcomes": outcomes,
+        "wall_s": [r["wall_s"] for r in rows], "mean_wall_s": _mean(rows, lambda r: r["wall_s"]),
+        "processed_tokens": _mean(rows, processed_tokens),
+        "generator": {key: _mean(rows, lambda r: r["generator"][key]) for key in rows[0]["generator"]},
+        "prm": {key: _mean(rows, prm(key)) for key in ("prompt_tokens", "cached_tokens", "requests")},
+        "client_requests": {key: _mean(rows, lambda r: r["client_requests"][key]) for key in ("generator", "prm")},
+    }
+
+
+def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (algorithm, system, n) measured, in ALGORITHMS, SYSTEMS and n order: `cell_summary`, the
+    paired comparison with the algorithm's reference system at that n, and the time ratio at matched accuracy."""
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in latest_rows(records):
+        grouped[(row["system"], row["n"])].append(row)
+    known = {s.name: s for s in SYSTEMS}
+    names = [s.name for s in SYSTEMS] + sorted({name for name, _ in grouped} - set(known))
+    cells = []
+    for name in names:
+        for n in sorted(n for system, n in grouped if system == name):
+            rows = grouped[(name, n)]
+            cells.append({"system": name, "n": n, "algorithm": rows[0]["algorithm"], "family": rows[0].get("family"),
+                          "pattern": rows[0].get("pattern"), **cell_summary(rows)})
+    references = {s.algorithm: s.name for s in SYSTEMS if s.reference}
+    by_key = {(c["system"], c["n"]): c for c in cells}
+    for cell in cells:
+        reference = by_key.get((references.get(cell["algorithm"]), cell["n"]))
+        if reference is not None and reference is not cell:
+            cell["vs_reference"] = {"system": reference["system"],
+                                    **compare_paired(reference["outcomes"], cell["outcomes"])}
+        ours = [(c["mean_wall_s"], c["accuracy"]) for c in cells
+                if c["family"] == "sgl-tts" and c["algorithm"] == cell["algorithm"]]
+        reach = cost_to_reach(ours, cell["accuracy"])
+        cell["sgl_tts_time_ratio"] = reach / cell["mean_wall_s"] if reach is not None and cell["mean_wall_s"] else None
+    order = {a: i for i, a in enumerate(ALGORITHMS)}
+    return sorted(cells, key=lambda c: order.get(c["algorithm"], len(order)))
+
+
+COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts ref: Δ pt [95% CI], p",
+           "wall s/problem median [min-max]", "mean s", "x sgl-tts at ≥ acc", "processed tok", "gen generated",
+           "gen prompt/cached", "PRM prompt/cached", "requests gen server/client", "requests PRM server/client")
+
+
+def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for c in cells:
+        low, high = c["interval"]
+        versus = c.get("vs_reference")
+        if versus is None:
+            compared = "reference" if any(s.reference and s.name == c["system"] for s in SYSTEMS) else "-"
+        elif not versus["pairs"]:
+            compared = "no shared problems"
+        else:
+            d_low, d_high = versus["interval"]
+            compared = (f"{100 * versus['difference']:+.1f} [{100 * d_low:+.1f}, {100 * d_high:+.1f}], "
+                        f"p={versus['p_value']:.3g}")
+        g, p, r = c["generator"], c["prm"], c["client_requests"]
+        ratio = c["sgl_tts_time_ratio"]
+        rows.append([c["algorithm"], c["system"], str(c["n"]),
+                     f"{100 * c['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] ({c['solved']}/{c['trials']})",
+                     compared, median_range(c["wall_s"], ".2f"), f"{c['mean_wall_s']:.2f}",
+                     "-" if ratio is None else f"{ratio:.2f}x", f"{c['processed_tokens']:.0f}",
+                     f"{g['generated_tokens']:.0f}", f"{g['prompt_tokens']:.0f}/{g['cached_tokens']:.0f}",
+                     f"{p['prompt_tokens']:.0f}/{p['cached_tokens']:.0f}", f"{g['requests']:.1f}/{r['generator']:.1f}",
+                     f"{p['requests']:.1f}/{r['prm']:.1f}"])
+    return rows
+
+
+def patterns(cells: list[dict[str, Any]]) -> list[str]:
+    seen = dict.fromkeys((c["system"], c["pattern"]) for c in cells)
+    return [f"- {system}: {pattern}" for system, pattern in seen]
+
+
+def report_markdown(cells: list[dict[str, Any]], header: dict[str, Any] | None) -> str:
+    machine = (f"Machine: {header['config'].get('cpu')}; load average at the start "
+               f"{', '.join(f'{v:.2f}' for v in header['config'].get('load_average', []))}.") if header else ""
+    return "\n".join([
+        "Per problem, at the client: wall time (PRM included); tokens and requests from SGLang's /metrics deltas "
+        "(server) and the clients' own counts (client). Accuracy with its 95% Wilson interval; Δ and McNemar's "
+        "exact p against the algorithm's sgl-tts reference at the same n, paired on the problems. 'x sgl-tts at ≥ "
+        "acc': the least mean time of a sgl-tts system of the algorithm reaching at least this accuracy, over this "
+        "one's. " + machine, "", markdown_table(COLUMNS, table_rows(cells)), "", "Request patterns:", *patterns(cells)])
+
+
+def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Accuracy vs mean wall time and vs processed tokens per problem: one panel per algorithm, one curve per
+    system over n (log x), Wilson error bars, the points on the system's Pareto frontier filled. [] without
+    matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return []
+    written = []
+    algorithms = [a for a in ALGORITHMS if any(c["algorithm"] == a for c in cells)]
+    for key, label, name in (("mean_wall_s", "wall time per problem, s (client)", "peers-time.png"),
+                             ("processed_tokens", "processed tokens per problem (generated + uncached prompt, "
+                                                  "generator + PRM)", "peers-tokens.png")):
+        fig = Figure(figsize=(5.2 * max(1, len(algorithms)), 4.2))
+        for column, algorithm in enumerate(algorithms):
+            ax = fig.add_subplot(1, len(algorithms), column + 1)
+            ours = [c for c in cells if c["algorithm"] == algorithm]
+            for index, system in enumerate(dict.fromkeys(c["system"] for c in ours)):
+                series = sorted((c for c in ours if c["system"] == system), key=lambda c: c["n"])
+                x = [max(c[key], 1e-9) for c in series]
+                y = [100 * c["accuracy"] for c in series]
+                errors = [[100 * (c["accuracy"] - c["interval"][0]) for c in series],
+                          [100 * (c["interval"][1] - c["accuracy"]) for c in series]]
+                style = "-" if series[0]["family"] == "sgl-tts" else "--"
+                ax.errorbar(x, y, yerr=errors, linestyle=style, marker="o", markerfacecolor="none", capsize=2,
+                            color=f"C{index}", label=system)
+                front = pareto_front(list(zip(x, y)))
+                ax.plot([x[i] for i in front], [y[i] for i in front], linestyle="none", marker="o", color=f"C{index}")
+                for c, xi, yi in zip(series, x, y):
+                    ax.annotate(f"n={c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=6)
+            ax.set_xscale("log")
+            ax.set_xlabel(label, fontsize=8)
+            ax.set_ylabel("accuracy (%)")
+            ax.set_title(algorithm, fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    return written
+
+
+def report(records: list[dict[str, Any]], out: Path, headers: list[dict[str, Any]] | None = None) -> int:
+    cells = peers_summary(records)
+    if not cells:
+        print(f"bench peers: no measured line in {out / RESULTS}")
+        return 1
+    headers = ResultStore(out / RESULTS).runs() if headers is None else headers
+    failed = sum(1 for r in records if r.get("failed"))
+    print(console_table([Column(title, align="<" if i < 2 else ">") for i, title in enumerate(COLUMNS)],
+                        table_rows(cells), rule=True))
+    print("\n".join(["request patterns:", *patterns(cells)]) + (f"\n{failed} failed line(s), not counted"
+                                                                if failed else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "peers.md", report_markdown(cells, headers[-1] if headers else None) + "\n")
+    plots = plot_frontiers(cells, out)
+    print(f"wrote {out / 'peers.md'}" + "".join(f", {p}" for p in plots))
+    return 0
