@@ -37,7 +37,7 @@ def test_the_installed_console_script_is_the_one_pyproject_names():
 PIP_ERROR = "ERROR: Could not find a version that satisfies the requirement sglang==0.5.23 (fake pip)"
 
 
-def fake_setup(tmp_path, pip_status, venv_python):
+def fake_setup(tmp_path, pip_status, venv_python, pyproject=None):
     """A copy of scripts/setup.sh and pyproject.toml, a temporary SGLTTS_CACHE, `pip` on PATH answering with
     `pip_status` (pip's error on failure, the harmless `WARNING: Location` line always), and a PYTHON whose
     `-m venv` makes an environment of that pip and `venv_python`: nothing real is installed or touched."""
@@ -45,7 +45,7 @@ def fake_setup(tmp_path, pip_status, venv_python):
     (checkout / "scripts").mkdir(parents=True)
     bin_dir.mkdir()
     shutil.copy(REPO / "scripts/setup.sh", checkout / "scripts/setup.sh")
-    shutil.copy(REPO / "pyproject.toml", checkout / "pyproject.toml")
+    (checkout / "pyproject.toml").write_text(pyproject or (REPO / "pyproject.toml").read_text())
     shutil.copy(REPO / "constraints.txt", checkout / "constraints.txt")
     error = f'echo "{PIP_ERROR}" >&2; ' if pip_status else ""
     executable(bin_dir / "pip", f'echo "WARNING: Location is not writable (harmless)" >&2; echo "pip $*" >> '
@@ -192,3 +192,29 @@ def test_two_checkouts_sharing_the_environment_each_run_their_own_code(tmp_path)
     assert (shared / ".sgl-tts-complete").exists(), "the shared environment is not removed through A's old link"
     assert not list(site_packages(shared).glob("sgl_tts-*.dist-info")), "the older set-up's install is removed"
     assert "installing" not in set_up(a), "set up again: nothing to install"
+
+
+def test_only_the_test_extra_keys_the_shared_environment(tmp_path):
+    """An extra installed into a checkout's .venv alone (`peers`, by --peers) must not change the shared
+    environment's key (a new key is an 11 GB rebuild); a change of the test extra, which it installs, must."""
+    import tomllib
+
+    bare = tmp_path / "bare-python"  # stops set-up at the completeness check, after the key named the venv
+    executable(bare, f'exec "{sys.base_prefix}/bin/python3" -S "$@"')
+
+    def key_with(pyproject_text, name):
+        (tmp_path / name).mkdir()
+        fake_setup(tmp_path / name, pip_status=0, venv_python=bare, pyproject=pyproject_text)
+        return [path.name for path in (tmp_path / name / "cache").glob("venv-*")]
+
+    text = (REPO / "pyproject.toml").read_text()
+    assert "peers" in tomllib.loads(text)["project"]["optional-dependencies"]
+    base = key_with(text, "base")
+    other_extra = text.replace('peers = [', 'another = ["numpy"]\npeers = [')
+    test_extra = text.replace('test = ["pytest"', 'test = ["pytest-timeout", "pytest"')
+    assert tomllib.loads(other_extra)["project"]["optional-dependencies"]["another"] == ["numpy"]
+    assert len(base) == 1 and key_with(other_extra, "other") == base
+    assert key_with(test_extra, "test") != base
+    shared = REPO / ".venv/.sgl-tts-shared"  # the shared environment this checkout was set up on
+    if shared.exists():
+        assert base == [Path(shared.read_text().strip()).name], "this tree's spec keys the environment set up"

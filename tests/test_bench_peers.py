@@ -1,0 +1,382 @@
+"""`sgl-tts bench peers` without a network or a model: its-hub and optillm against a fake OpenAI-compatible server
+(stdlib HTTP on 127.0.0.1, scripted answers, Prometheus counters of its own), sgl-tts on the scripted backend, and
+the report's math against brute force. The peers' tests skip, saying why, where the `peers` extra is not
+installed (`make peers`)."""
+
+import dataclasses
+import http.server
+import importlib.metadata
+import itertools
+import json
+import random
+import re
+import threading
+from collections import Counter
+
+import pytest
+
+from sgl_tts.app.session import RunConfig, Session
+from sgl_tts.bench.fasttts import read_counters
+from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
+                                 measure_problem, optillm_solver, sgl_tts_solver, step_generation, vote_key)
+from sgl_tts.frontend.backend import SYSTEM_PROMPT
+from sgl_tts.measure.frontier import cost_to_reach, pareto_front
+from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
+from sgl_tts.problems import Problem
+from sgl_tts.scoring.base import aggregate
+from sgl_tts.search.api import Runtimes, SearchConfig, split_steps
+from sgl_tts.search.grading import normalize_answer
+from sgl_tts.search.programs import load_program
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+try:
+    import its_hub  # noqa: F401
+    HAVE_ITS_HUB = True
+except ImportError:
+    HAVE_ITS_HUB = False
+try:
+    importlib.metadata.distribution("optillm")
+    HAVE_OPTILLM = True
+except importlib.metadata.PackageNotFoundError:
+    HAVE_OPTILLM = False
+needs_its_hub = pytest.mark.skipif(not HAVE_ITS_HUB, reason="its-hub is not installed here: `make peers` installs "
+                                                            "the peers extra into this checkout's .venv")
+needs_optillm = pytest.mark.skipif(not HAVE_OPTILLM, reason="optillm is not installed here: `make peers` installs "
+                                                            "the peers extra into this checkout's .venv")
+
+SEARCH = SearchConfig(program="best_of_n", n=4, beam_width=2, max_steps=3, max_step_tokens=12, max_tokens=30,
+                      temperature=0.3, step_delimiter="\n\n", aggregation="last")
+PROBLEM = Problem(id="p1", question="What is 1 + 2?", gold="3")
+
+
+# ---- a fake OpenAI-compatible server --------------------------------------------------------------------------
+
+
+def step_script(prefix: str, number: int) -> str:
+    """A whole continuation after `prefix` (the assistant text so far): word steps, from the third step on an
+    answer whose value depends on the prefix and the request number."""
+    depth = prefix.count("\n\n")
+    steps = []
+    for d in range(depth, depth + 6):
+        if d >= 2:
+            steps.append(f"So the answer is $\\boxed{{{(hash(prefix) + number) % 3 + 2}}}$.")
+            break
+        steps.append(f"step {d} w{(hash(prefix) + number) % 17}")
+    return "\n\n".join(steps)
+
+
+class FakeServer:
+    """/v1/chat/completions answered by `script(body, number)` (a whole text: cut at the first stop string, then
+    at the completion limit, one token per word), /v1/models, and /metrics with SGLang's counter names."""
+
+    def __init__(self, script=None):
+        self.script = script or (lambda body, number: step_script(_assistant_prefix(body), number))
+        self.bodies, self.outputs = [], []
+        self.counts = Counter()
+        self.lock = threading.Lock()
+        self.number = itertools.count()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, body: bytes, kind: str = "application/json"):
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/metrics":
+                    with fake.lock:
+                        lines = [f'{COUNTERS[k]}{{model_name="fake",is_streaming="false"}} {v}'
+                                 for k, v in fake.counts.items()]
+                    self._reply(("\n".join(["# TYPE sglang:prompt_tokens_total counter", *lines]) + "\n").encode(),
+                                "text/plain")
+                else:
+                    self._reply(json.dumps({"data": [{"id": "fake-model"}]}).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._reply(json.dumps(fake.complete(body)).encode())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def complete(self, body):
+        stops = body.get("stop")
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 10**6
+        choices = []
+        for index in range(body.get("n", 1)):
+            text, finish = self.script(body, next(self.number)), "stop"
+            cuts = [text.index(s) for s in stops if s in text]
+            if cuts:
+                text = text[: min(cuts)]
+            words = text.split(" ")
+            if len(words) > limit:
+                text, finish = " ".join(words[:limit]), "length"
+            choices.append({"index": index, "finish_reason": finish,
+                            "message": {"role": "assistant", "content": text}})
+            with self.lock:
+                self.outputs.append(text)
+                self.counts["generated_tokens"] += len(text.split(" "))
+                self.counts["requests"] += 1
+        prompt = sum(len(str(m.get("content", "")).split(" ")) for m in body["messages"])
+        with self.lock:
+            self.bodies.append(body)
+            self.counts["prompt_tokens"] += prompt
+        return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _assistant_prefix(body):
+    last = body["messages"][-1]
+    return last["content"] if last["role"] == "assistant" else ""
+
+
+@pytest.fixture
+def fake():
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+def runtimes_on(fake, scorer=None):
+    return PeerRuntimes(url=fake.url, model="fake-model", prompt=lambda q: f"Q: {q}\n\n", generator=fake,
+                        peer_scorer=scorer or ScriptedScorer())
+
+
+def assert_same_settings(body, max_tokens_key, max_tokens, search=SEARCH):
+    assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}, "sgl-tts's system prompt"
+    assert body["temperature"] == search.temperature and body[max_tokens_key] == max_tokens
+    assert body.get("top_p", 1.0) == 1.0, "no top_p but SGLang's default"
+
+
+# ---- the answer key, counters ---------------------------------------------------------------------------------
+
+
+def test_the_answer_key_is_the_programs_rule():
+    assert answer_key("so 2 + 1 = 3\nThe answer is $\\boxed{3}$.") == "3"
+    assert answer_key("so it is 2 + 1 = 3", "stop") == "3", "a text the model ended: its last number"
+    assert answer_key("so it is 2 + 1 = 3", "length") is None, "a text cut at the token limit has no answer"
+    assert vote_key("... $\\boxed{ 3 }$") == vote_key("other words, \\boxed{3}") == normalize_answer("3")
+    assert vote_key("no number here") != vote_key("nor here"), "texts without an answer vote alone"
+
+
+def test_prometheus_counters_are_summed_over_label_sets_and_differenced():
+    text = ("# HELP sglang:prompt_tokens_total x\n# TYPE sglang:prompt_tokens_total counter\n"
+            'sglang:prompt_tokens_total{model_name="m",is_streaming="false"} 10.0\n'
+            'sglang:prompt_tokens_total{model_name="m",is_streaming="true"} 5.0\n'
+            'sglang:prompt_tokens_total_created{model_name="m"} 1.7e9\n'
+            'sglang:cached_tokens_total{cache_source="device"} 4\n'
+            "sglang:num_requests_total 3\n")
+    read = read_counters(text, COUNTERS)
+    assert read == {"prompt_tokens": 15.0, "generated_tokens": 0.0, "cached_tokens": 4.0, "requests": 3.0}
+    later = read_counters(text.replace(" 5.0", " 9.0").replace("total 3", "total 7"), COUNTERS)
+    assert counter_delta(read, later) == {"prompt_tokens": 4.0, "generated_tokens": 0.0, "cached_tokens": 0.0,
+                                          "requests": 4.0}
+
+
+def test_a_top_p_the_peers_cannot_send_is_refused():
+    check_settings(SEARCH)
+    with pytest.raises(ValueError, match="search.top_p"):
+        check_settings(dataclasses.replace(SEARCH, top_p=0.9))
+
+
+# ---- its-hub ----------------------------------------------------------------------------------------------------
+
+
+TEXTS_OF_3 = ["Adding: 1 + 2 = 3. The answer is $\\boxed{3}$.", "Sum three. The answer is $\\boxed{3}$.",
+              "It is $\\boxed{3}$ then."]
+TEXT_OF_5 = "The answer is $\\boxed{5}$."
+
+
+def script_of(texts):
+    return lambda body, number: texts[number % len(texts)]
+
+
+@needs_its_hub
+def test_its_hub_self_consistency_votes_by_the_answer_key_with_the_same_settings():
+    """Three differently worded answers 3 against two identical 5s: its-hub's own projection (the text) would
+    pick 5; the project's answer key picks 3. One request per sample, all with the run's settings."""
+    fake = FakeServer(script_of([*TEXTS_OF_3, TEXT_OF_5, TEXT_OF_5]))
+    try:
+        runtimes = runtimes_on(fake)
+        system = next(s for s in SYSTEMS if s.name == "its-hub SelfConsistency")
+        row = measure_problem(system, PROBLEM, dataclasses.replace(SEARCH, n=5), runtimes)
+    finally:
+        fake.close()
+    assert row["answer"] == "3" and row["correct"] is True
+    assert len(fake.bodies) == 5 and all(body.get("n", 1) == 1 for body in fake.bodies)
+    for body in fake.bodies:
+        assert_same_settings(body, "max_completion_tokens", SEARCH.max_tokens)
+    assert row["client_requests"]["generator"] == 5
+    assert row["generator"] == {"prompt_tokens": fake.counts["prompt_tokens"], "requests": 5,
+                                "generated_tokens": fake.counts["generated_tokens"], "cached_tokens": 0}
+
+
+@needs_its_hub
+def test_its_hub_best_of_n_takes_the_answer_the_prm_scores_highest(fake):
+    scorer = ScriptedScorer()
+    runtimes = runtimes_on(fake, scorer)
+    system = next(s for s in SYSTEMS if s.name == "its-hub BestOfN + PRM")
+    row = measure_problem(system, PROBLEM, SEARCH, runtimes)
+    prompt = runtimes.prompt(PROBLEM.question)
+
+    def score(text):
+        steps = split_steps(text, SEARCH.step_delimiter, SEARCH.max_steps)
+        return aggregate([scorer.step_score(prompt, steps[: i + 1]) for i in range(len(steps))], SEARCH.aggregation)
+
+    assert len(set(fake.outputs)) > 1, "candidates to choose among"
+    assert row["answer"] == answer_key(max(fake.outputs, key=score))
+    assert all(first == 0 for _, first in scorer.scored), "whole paths, as a whole-path PRM client scores"
+    assert row["client_requests"] == {"generator": SEARCH.n, "prm": len(set(fake.outputs))}
+    for body in fake.bodies:
+        assert_same_settings(body, "max_completion_tokens", SEARCH.max_tokens)
+
+
+@needs_its_hub
+@pytest.mark.parametrize("name", ["its-hub BeamSearch + PRM", "its-hub ParticleFiltering + PRM"])
+def test_its_hub_step_search_steps_at_the_delimiter_within_the_step_limits(fake, name):
+    scorer = ScriptedScorer()
+    system = next(s for s in SYSTEMS if s.name == name)
+    row = measure_problem(system, PROBLEM, SEARCH, runtimes_on(fake, scorer))
+    assert row["answer"] in {"2", "3", "4"} and row["correct"] == (row["answer"] == "3")
+    assert len(split_steps(row["text"], "\n\n", 99)) <= SEARCH.max_steps
+    for body in fake.bodies:
+        assert_same_settings(body, "max_completion_tokens", SEARCH.max_step_tokens)
+        assert body["stop"] == SEARCH.step_delimiter
+    continued = [b for b in fake.bodies if b["messages"][-1]["role"] == "assistant"]
+    assert continued and all(b["continue_final_message"] for b in continued), "a path's steps so far, continued"
+    assert scorer.calls and all(first == 0 for _, first in scorer.scored), "every path re-scored from step one"
+    assert row["client_requests"]["prm"] == len(scorer.scored)
+    assert step_generation(SEARCH).max_steps == SEARCH.max_steps - 1
+
+
+# ---- optillm ----------------------------------------------------------------------------------------------------
+
+
+OPTILLM_TEXTS = ["Early answer: 6 maybe.\nThe answer is $\\boxed{3}$.",
+                 "Partial answer: 4, checking.\nThe answer is $\\boxed{3}$.", "The answer is $\\boxed{3}$.",
+                 TEXT_OF_5, TEXT_OF_5]
+
+
+@needs_optillm
+@pytest.mark.parametrize("boxed, expected", [(False, "5"), (True, "3")])
+def test_optillm_majority_voting_stock_and_with_boxed_extraction(boxed, expected):
+    """Stock, the plugin votes on the text after "answer:" (two of the 3s say something else there), so the two
+    5s win; with the boxed extraction the three 3s win. One request with n, the run's settings."""
+    fake = FakeServer(script_of(OPTILLM_TEXTS))
+    try:
+        answer = optillm_solver(boxed)(runtimes_on(fake), PROBLEM, dataclasses.replace(SEARCH, n=5))
+    finally:
+        fake.close()
+    assert answer.answer == expected
+    assert len(fake.bodies) == 1 and fake.bodies[0]["n"] == 5
+    assert_same_settings(fake.bodies[0], "max_tokens", SEARCH.max_tokens)
+
+
+# ---- sgl-tts on the scripted backend ----------------------------------------------------------------------------
+
+
+class ScriptedSession(Session):
+    """A Session on the scripted backend and scorer (nothing started), keeping every result it returns."""
+
+    def __init__(self, config):
+        self.config, self.runtimes, self._reuse = config, {}, {}
+        self.program = load_program(config.search.program)
+        self.search_runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel()), scorer=ScriptedScorer(),
+                                        prompt=lambda q: f"Q: {q}\n\n")
+        self.solved = []
+
+    def solve(self, problem, search=None, context=None):
+        result = super().solve(problem, search, context)
+        self.solved.append(((search or self.config.search).program, result))
+        return result
+
+    def close(self):
+        pass
+
+
+def test_sgl_tts_systems_report_their_own_answer_and_ledger(fake):
+    session = ScriptedSession(RunConfig(search=SEARCH))
+    runtimes = PeerRuntimes(url=fake.url, model="m", prompt=session.search_runtimes.prompt, generator=fake,
+                            session=session)
+    backend, scorer = session.search_runtimes.generator, session.search_runtimes.scorer
+    row = measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n argmax"), PROBLEM, SEARCH, runtimes)
+    (program, result), = session.solved
+    assert program == "best_of_n" and row["answer"] == result.answer
+    assert result.answer == max(result.candidates, key=lambda c: c.score).answer, "argmax: the best path's answer"
+    assert row["client_requests"] == {"generator": len(backend.requests), "prm": scorer.requests}
+    assert len(backend.requests) == SEARCH.n and scorer.requests == SEARCH.n
+    assert row["generator"]["requests"] == 0, "the fake generator's counters saw none of the scripted requests"
+    answer = sgl_tts_solver("self_consistency")(runtimes, PROBLEM, SEARCH)
+    assert session.solved[-1][0] == "self_consistency" and answer.answer == session.solved[-1][1].answer
+
+
+# ---- the report -------------------------------------------------------------------------------------------------
+
+
+def brute_front(points):
+    return sorted((i for i, (c, a) in enumerate(points)
+                   if not any((c2 <= c and a2 >= a and (c2, a2) != (c, a)) or ((c2, a2) == (c, a) and j < i)
+                              for j, (c2, a2) in enumerate(points))), key=lambda i: (points[i][0], i))
+
+
+def test_the_pareto_frontier_and_the_cost_to_reach_match_brute_force():
+    rng = random.Random(3)
+    for _ in range(300):
+        points = [(rng.choice([1.0, 2.0, 3.0, 4.0, 5.0]), rng.choice([0.1, 0.2, 0.3, 0.4]))
+                  for _ in range(rng.randint(0, 8))]
+        assert pareto_front(points) == brute_front(points), points
+        for wanted in (0.0, 0.15, 0.3, 0.5):
+            reach = [c for c, a in points if a >= wanted]
+            assert cost_to_reach(points, wanted) == (min(reach) if reach else None)
+
+
+def record(system, n, problem, correct, wall, generated=10):
+    spec = next(s for s in SYSTEMS if s.name == system)
+    return {"system": system, "family": spec.family, "algorithm": spec.algorithm, "pattern": spec.pattern, "n": n,
+            "problem_id": problem, "correct": correct, "wall_s": wall,
+            "generator": {"prompt_tokens": 50, "generated_tokens": generated, "cached_tokens": 20, "requests": 3},
+            "prm": None, "client_requests": {"generator": 3, "prm": 0}}
+
+
+def test_the_summary_pairs_with_the_reference_and_states_the_time_ratio(tmp_path):
+    from eval.peers import peers_summary, plot_frontiers, report_markdown, run_order
+
+    ours = [True, True, False, True, False, True, True, False]
+    theirs = [True, False, False, False, True, False, True, False]
+    records = [record("sgl-tts self_consistency", 4, f"q{i}", c, 2.0) for i, c in enumerate(ours)]
+    records += [record("its-hub SelfConsistency", 4, f"q{i}", c, 5.0 + i) for i, c in enumerate(theirs)]
+    records += [record("its-hub SelfConsistency", 4, "q0", False, 9.0) | {"failed": True}]  # not counted
+    cells = peers_summary(records)
+    peer = next(c for c in cells if c["system"] == "its-hub SelfConsistency")
+    assert (peer["solved"], peer["trials"]) == (3, 8) and peer["interval"] == list(wilson_interval(3, 8))
+    assert peer["vs_reference"]["p_value"] == mcnemar_exact(ours, theirs).p_value
+    assert peer["mean_wall_s"] == pytest.approx(8.5) and peer["processed_tokens"] == 40
+    assert peer["sgl_tts_time_ratio"] == pytest.approx(2.0 / 8.5), "sgl-tts reaches 5/8 >= 3/8 in 2 s"
+    text = report_markdown(cells, None)
+    assert "its-hub SelfConsistency | 4 | 37.5% [" in text and "n concurrent requests" in text
+    assert [p.name for p in plot_frontiers(cells, tmp_path)] == ["peers-time.png", "peers-tokens.png"]
+
+    systems = SYSTEMS[:3]
+    order = run_order(list(systems), ["a", "b", "c", "d"], [1, 2])
+    assert Counter(order) == Counter(itertools.product([1, 2], "abcd", systems)) and len(order) == 24
+    firsts = [system for index, (_, _, system) in enumerate(order) if index % 3 == 0]
+    assert Counter(firsts[:3]) == Counter(systems), "each system runs first once in every three problems"
+
+
+def test_the_cli_reaches_the_peers_bench(tmp_path, capsys):
+    from sgl_tts.cli import main
+
+    assert main(["bench", "peers", "--report-only", "--out", str(tmp_path)]) == 1
+    assert re.search(r"no measured line", capsys.readouterr().out)
