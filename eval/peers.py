@@ -129,8 +129,8 @@ def run_peers(options: PeersOptions) -> int:
                 print(f"[n={n} {problem.id}] {system.name}: " + (
                     f"FAILED {row['error']}" if row.get("failed") else
                     f"{'right' if row['correct'] else 'wrong'} ({row['answer']!r}), {row['wall_s']:.1f} s, generated "
-                    f"{row['generator']['generated_tokens']:.0f} tok, requests gen {row['client_requests']['generator']}"
-                    f" / PRM {row['client_requests']['prm']}"), flush=True)
+                    f"{row['generator']['generated_tokens']:.0f} tok, requests gen "
+                    f"{row['client_requests']['generator']} / PRM {row['client_requests']['prm']}"), flush=True)
     print(f"bench peers: {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.2f}")
     return report(store.records(), out)
 

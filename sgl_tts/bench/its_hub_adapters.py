@@ -18,8 +18,9 @@ its-hub system.
   lie in [0, 1]).
   The scorer blocks on HTTP: `ascore` runs it in a worker thread, as its-hub's own local PRM does.
 - `CountingLanguageModel`: its-hub's `OpenAICompatibleLanguageModel`, counting and keeping every request body it
-  sends (`sgl_tts.bench.peers.RequestLog`). its-hub posts through aiohttp sessions it makes itself, so the count is taken where it
-  builds each request's JSON (`_prepare_request_data`, called once per HTTP attempt, retries included).
+  sends (`sgl_tts.bench.peers.RequestLog`). its-hub posts through aiohttp sessions it makes itself, so the count
+  is taken where it builds each request's JSON (`_prepare_request_data`, called once per HTTP attempt, retries
+  included).
 """
 
 from __future__ import annotations
