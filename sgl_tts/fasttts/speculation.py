@@ -78,12 +78,12 @@ class HttpSpeculationClient(SpeculationClient):
     def idle_slots(self) -> int | None:
         if self.engine_batch is None:
             return None
-        from sgl_tts.runtime.server import http_json
+        from sgl_tts.runtime.server import engine_loads
 
         with self._lock:
             if self._load is None or time.monotonic() - self._load[0] > LOADS_MAX_AGE_S:
                 try:
-                    loads = http_json(self.runtime.url + "/v1/loads?include=core", timeout=5)["loads"]
+                    loads = engine_loads(self.runtime)
                     busy = sum(int(rank.get("num_running_reqs", 0)) + int(rank.get("num_waiting_reqs", 0))
                                for rank in loads)
                 except (OSError, KeyError, TypeError, ValueError) as exc:

@@ -100,6 +100,36 @@ class Runtimes:
                              observers=observers, scoring_observers=scoring_observers)
 
 
+def engine_runtimes(runtimes: Runtimes) -> list[Any]:
+    """The started runtimes beneath `runtimes`' generator and target endpoints (one each, however many endpoints
+    share it); none for a scripted backend."""
+    found = {id(r): r for backend in (runtimes.generator, runtimes.target)
+             if (r := getattr(backend, "runtime", None)) is not None}
+    return list(found.values())
+
+
+def cancel_search(context: SearchContext, runtimes: Runtimes, timeout_s: float = 30.0) -> bool:
+    """Cancel the search of `context` (no new requests) and abort its requests in flight on the runtimes until
+    none is left, at most `timeout_s`; whether none was left. A request sent just before the cancel may reach
+    the runtime after the first abort (SGLang ignores an abort for a rid it has not seen), so the rids still in
+    flight are aborted again each time the in-flight set has not emptied. A runtime that is gone has nothing to
+    abort."""
+    from sgl_tts.runtime.server import abort_requests
+
+    deadline = time.monotonic() + timeout_s
+    rids = context.cancel()
+    while rids and time.monotonic() < deadline:
+        for runtime in engine_runtimes(runtimes):  # a rid unknown to a runtime is ignored there
+            try:
+                abort_requests(runtime, rids)
+            except OSError:
+                pass
+        if context.wait_idle(timeout=0.5):
+            return True
+        rids = context.in_flight()
+    return not rids
+
+
 @dataclass
 class ReasoningPath:
     """One reasoning path while the search runs. `state` is its SGLang program state."""
