@@ -392,9 +392,16 @@ class SpeculativeExtension:
         """`client.speculate`, its time in the engine kept in `state.held_s` before its future is done."""
         began = time.monotonic()
         try:
-            return self.client.speculate(text, sampling, fields)
+            answer = self.client.speculate(text, sampling, fields)
         finally:
             state.held_s[fields["rid"]] = time.monotonic() - began
+        meta = answer[1]
+        reason = meta.get("finish_reason") or {}
+        self.search.ledger.window("speculative", "generator", began, began + state.held_s[fields["rid"]],
+                                  tokens=int(meta.get("completion_tokens", 0) or 0),
+                                  prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+                                  aborted=int(isinstance(reason, dict) and reason.get("type") == "abort"))
+        return answer
 
     def _collect_speculative(self, state: _Round, config: SearchConfig, wait: bool = False) -> None:
         """Turn finished speculative requests into branches; with `wait`, wait for every one (after the

@@ -47,6 +47,7 @@ class SearchConfig:
     adaptive_granularity: bool = False  # varying_granularity: double g while verification does not separate
     granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
     record_tree: bool = False  # put the scored search tree in the result (extra["tree"], sgl_tts.search.tree)
+    record_timeline: bool = False  # put what the runtimes did for the search in the result (extra["timeline"])
     # The program's own settings: its `Settings` instance, given as a mapping in YAML and validated against the
     # program's `Settings` on load (sgl_tts.search.programs.program_settings); None for a program without any.
     settings: Any = None
@@ -212,8 +213,10 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
         children = extension.expand(parents, config, tracker, extract_answer)
     else:
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
-    tracker.generator_time_s += time.monotonic() - began
+    ended = time.monotonic()
+    tracker.generator_time_s += ended - began
     tracker.iterations += 1
+    tracker.ledger.window("iteration", "generator", began, ended, index=tracker.iterations)
     answered = [r.answered_at for r in tracker.ledger.answered_requests(since=answered_before)]
     if answered:
         tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))

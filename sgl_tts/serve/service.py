@@ -129,6 +129,9 @@ class SearchService:
         if settings.get("record_tree"):  # the reply has no place for the tree: it would only cost memory
             raise request_error("record_tree", "'record_tree' is not available per request (the reply does not "
                                                "carry the search tree; `sgl-tts run --tree` draws it)")
+        if settings.get("record_timeline"):
+            raise request_error("record_timeline", "'record_timeline' is not available per request (the reply "
+                                                   "does not carry the timeline; `sgl-tts run --timeline` draws it)")
         defaults = to_dict(self.default_search)
         if program != self.default_search.program:
             defaults["settings"] = None  # the server's program settings are not this program's
