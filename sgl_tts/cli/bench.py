@@ -186,6 +186,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, help="folder for bench-coexist.json and bench-coexist.md")
     parser.set_defaults(func=bench_coexist)
 
+    parser = bench_commands.add_parser("timeline", help="the cost of recording a search's timeline: scripted "
+                                                        "beam searches with record_timeline off and on")
+    parser.add_argument("--searches", type=int, default=40, help="searches per arm and repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; both arms once per round, interleaved")
+    parser.add_argument("--n", type=int, default=16)
+    parser.set_defaults(func=bench_timeline)
+
     parser = bench_commands.add_parser("serve", help="concurrent clients against `sgl-tts serve`, 1 vs 2 replicas")
     parser.add_argument("--config", default="configs/serve-tiny.yaml", help="run config (YAML)")
     parser.add_argument("--program", help="search program (default: the config's)")
@@ -240,3 +247,9 @@ def bench_coexist(args: argparse.Namespace) -> int:
 
     options = options_from(args, BenchOptions)
     return run_bench(dataclasses.replace(options, arm=tuple(args.arm)))
+
+
+def bench_timeline(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.timeline import run_bench
+
+    return run_bench(searches=args.searches, repeats=args.repeats, n=args.n)
