@@ -166,6 +166,6 @@ def _write_timelines(results, folder, into: list):
         if "timeline" in result.extra:
             into.append(result.extra["timeline"])
             plot_timeline(result.extra["timeline"], Path(folder) / f"{safe_name(problem.id)}.png",
-                          f"{result.program} n={len(result.candidates)} paths: {problem.id}, "
-                          f"{result.total_time_s:.1f} s, {result.iterations} iterations")
+                          f"{result.program}: {problem.id}, {result.total_time_s:.1f} s, "
+                          f"{result.iterations} iterations")
         yield problem, result
