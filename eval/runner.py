@@ -358,7 +358,10 @@ def new_run_dir(experiment: Experiment) -> Path:
 
 class EvalRun:
     def __init__(self, experiment: Experiment, run_dir: str | Path, progress: bool | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, timeline: str | Path | None = None):
+        """`timeline`: a folder to draw each draw's timeline into (`sgl_tts.app.timeline`; not stored in the
+        results)."""
+        self.timeline = Path(timeline) if timeline else None
         self.experiment = experiment
         self.config = experiment.config
         self.run_dir = Path(run_dir)
@@ -509,7 +512,7 @@ class EvalRun:
             retry, reason = [], ""
             pool = ThreadPoolExecutor(max_workers=unit.config.concurrency)
             try:
-                futures = {pool.submit(self.solve_one, solver, unit, p): p for p in todo}
+                futures = {pool.submit(self.solve_one, solver, unit, p, self.timeline is not None): p for p in todo}
                 for future in as_completed(futures):
                     problem = futures[future]
                     result, error, wall_s, entries = future.result()
@@ -536,11 +539,13 @@ class EvalRun:
             todo = sorted(retry, key=lambda p: order[p.id])
 
     @staticmethod
-    def solve_one(solver: Any, unit: Unit, problem: Problem) -> tuple[SearchResult | None, Exception | None, float, list]:
+    def solve_one(solver: Any, unit: Unit, problem: Problem, timeline: bool = False
+                  ) -> tuple[SearchResult | None, Exception | None, float, list]:
         began = time.monotonic()  # before the context, whose own clock (the result's total_s) starts when it is made
-        context = solver.new_search(problem, unit.config.search)
+        search = dataclasses.replace(unit.config.search, record_timeline=True) if timeline else unit.config.search
+        context = solver.new_search(problem, search)
         try:
-            result, error = solver.solve(problem, unit.config.search, context), None
+            result, error = solver.solve(problem, search, context), None
         except Exception as exc:  # reported per problem; a dead runtime is told apart by the caller
             result, error = getattr(exc, "result", None), exc  # a SearchError keeps the finished candidates
         return result, error, time.monotonic() - began, context.ledger.answered_requests()
@@ -557,6 +562,8 @@ class EvalRun:
     def write_row(self, unit: Unit, problem: Problem, result: SearchResult | None, error: Exception | None,
                   wall_s: float, entries: list, solver: Any, session: int, row_provenance: dict[str, Any]) -> None:
         selection = next(d for d in self.config.datasets if d.key == unit.dataset)
+        if result is not None and "timeline" in result.extra:
+            result = self.draw_timeline(unit, problem, result)
         row = result_line(problem, result, error, arm=unit.arm, dataset=unit.dataset, dataset_name=selection.name,
                           n=unit.n, seed=unit.seed, repetition=unit.repetition, session=session)
         if row["failed"]:
@@ -573,12 +580,24 @@ class EvalRun:
         self.store.append(json.loads(json.dumps(row, default=repr)))
 
 
+    def draw_timeline(self, unit: Unit, problem: Problem, result: SearchResult) -> SearchResult:
+        """Draw the draw's timeline into the timeline folder; the result without it (the results file stays as
+        it is without --timeline)."""
+        from sgl_tts.app.timeline import plot_timeline, safe_name
+
+        self.timeline.mkdir(parents=True, exist_ok=True)
+        name = safe_name(f"{unit.arm}-n{unit.n}-seed{unit.seed}-rep{unit.repetition}-{problem.id}")
+        plot_timeline(result.extra["timeline"], self.timeline / f"{name}.png",
+                      f"{unit.arm} n={unit.n} seed {unit.seed}: {problem.id}, {result.total_time_s:.1f} s")
+        return dataclasses.replace(result, extra={k: v for k, v in result.extra.items() if k != "timeline"})
+
+
 # ---------------------------------------------------------------------------------------------------------
 # `sgl-tts eval`
 
 
 def run_eval(config: str | Path | None = None, out: str | Path | None = None, resume: str | Path | None = None,
-             progress: bool | None = None) -> int:
+             progress: bool | None = None, timeline: str | Path | None = None) -> int:
     """Run (or resume) an experiment and print its summary; returns the exit code (0 complete, 1 incomplete or a
     runtime died, 130 interrupted). `config`: the experiment YAML, else `resume`'s experiment.yaml; `out`: the run
     folder (default: a new one under the experiment's output_dir); `progress`: the bar (None: when a terminal)."""
@@ -595,7 +614,7 @@ def run_eval(config: str | Path | None = None, out: str | Path | None = None, re
         raise ConfigError("sgl-tts eval needs --config FILE or --resume RUN_DIR")
     if resume and not (Path(resume) / RESULTS_FILE).is_file():
         raise ConfigError(f"nothing to resume: {Path(resume) / RESULTS_FILE} does not exist")
-    run = EvalRun(experiment, run_dir or new_run_dir(experiment), progress=progress)
+    run = EvalRun(experiment, run_dir or new_run_dir(experiment), progress=progress, timeline=timeline)
     with folder_lock(run.run_dir, "running sgl-tts eval on it"):  # one eval writes a run folder at a time
         print(f"sgl-tts eval: {experiment.source} -> {run.run_dir}", flush=True)
         try:

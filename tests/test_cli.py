@@ -99,9 +99,9 @@ def test_eval_commands_map_their_flags(monkeypatch):
 
     runs = capture(monkeypatch, eval.runner, "run_eval")
     main(["eval", "--config", "e.yaml", "--no-progress"])
-    main(["eval", "--resume", "runs/x"])
-    assert runs == [(("e.yaml",), {"out": None, "resume": None, "progress": False}),
-                    ((None,), {"out": None, "resume": "runs/x", "progress": None})]
+    main(["eval", "--resume", "runs/x", "--timeline", "tl"])
+    assert runs == [(("e.yaml",), {"out": None, "resume": None, "progress": False, "timeline": None}),
+                    ((None,), {"out": None, "resume": "runs/x", "progress": None, "timeline": "tl"})]
     defaults = library_defaults(eval.verifier.evaluate_verifiers)
     verifiers = capture(monkeypatch, eval.verifier, "evaluate_verifiers")
     main(["eval", "verifier", "--config", "a.yaml", "b.yaml"])

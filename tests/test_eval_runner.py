@@ -335,3 +335,14 @@ def test_objects_json_cannot_hold_are_stored_as_their_repr(tmp_path):
     assert run(experiment, tmp_path / "run").complete
     rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
     assert sorted(r["result"]["extra"]["seen"] for r in rows) == [f"{{'p{i}'}}" for i in range(len(GOLDS))]
+
+
+def test_timelines_are_drawn_per_draw_and_kept_out_of_the_results(tmp_path):
+    experiment = write_experiment(tmp_path, write_dataset(tmp_path), n_values=[2])
+    outcome = EvalRun(experiment, tmp_path / "run", progress=False, log=[].append, timeline=tmp_path / "tl").run()
+    assert outcome.complete and outcome.written == 2 * len(GOLDS)
+    pictures = sorted(p.name for p in (tmp_path / "tl").iterdir())
+    assert pictures == sorted(f"{arm}-n2-seed0-rep0-p{i}.png" for arm in ("bon", "beam") for i in range(len(GOLDS)))
+    rows = ResultStore(tmp_path / "run" / "results.jsonl").records()
+    assert not any("timeline" in json.dumps(row.get("extra", {})) for row in rows)
+    assert_rows_match_reference(rows, experiment)  # the same draws as without the timeline

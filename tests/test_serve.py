@@ -472,6 +472,8 @@ REFUSED = [  # (case, method, path, raw body, status, param, words of the messag
     ("stop", "POST", "/v1/chat/completions", chat(stop=["\n"]), 400, "stop", "'stop' is not supported"),
     ("record_tree", "POST", "/v1/chat/completions", chat(record_tree=True), 400, "record_tree",
      "not available per request"),
+    ("record_timeline", "POST", "/v1/chat/completions", chat(record_timeline=True), 400, "record_timeline",
+     "not available per request"),
     ("not JSON", "POST", "/v1/chat/completions", "{", 400, None, "not JSON"),
     ("404 path", "POST", "/v1/completions", chat(), 404, None, "Not Found"),
     ("405 method", "GET", "/v1/chat/completions", None, 405, None, "Method Not Allowed"),

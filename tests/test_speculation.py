@@ -409,3 +409,18 @@ def test_with_s_on_a_step_that_asks_for_logprobs_is_expanded_plainly():
 
     result = deepconf_result(lambda search: Untouchable())  # fails if any step went to the extension
     assert result.error is None and len(result.extra["deepconf"]["confidences"]) == len(result.candidates) > 0
+
+
+def test_a_timeline_records_every_speculative_request_that_ran():
+    backend = TimedScriptedBackend(MODEL)
+    runtimes = Runtimes(generator=backend, scorer=ScriptedScorer(), prompt=lambda q: PROMPT,
+                        extension_factory=extension_factory(EQUIVALENT_S, backend, seed=0))
+    search = dataclasses.replace(SEARCH, record_timeline=True)
+    result = load_program("beam_search")(PROBLEM, search, runtimes, runtimes.new_search(search, PROBLEM.id))
+    stats = result.extra["speculation"]
+    speculative = [w for w in result.extra["timeline"]["windows"] if w["kind"] == "speculative"]
+    assert stats["launched"] > 0
+    assert len(speculative) == stats["whole"] + stats["aborted"]  # answered: whole steps and aborted partials
+    assert sum(w["aborted"] for w in speculative) == stats["aborted"]
+    assert sum(w["tokens"] for w in speculative) == stats["tokens"]
+    assert sum(w["ended"] - w["began"] for w in speculative) == pytest.approx(stats["slot_s"], abs=1e-6)

@@ -1,4 +1,4 @@
-"""`sgl-tts bench runtime|fasttts|verifier|serve|peers`: benchmarks that print side-by-side ratios (`sgl_tts.bench`)."""
+"""`sgl-tts bench runtime|fasttts|verifier|serve|peers|coexist|timeline`: benchmarks that print side-by-side ratios (`sgl_tts.bench`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import re
 import shlex
 
+from sgl_tts.bench.coexist import SEVERAL, SWITCH_ARMS, CoexistArm
 from sgl_tts.bench.fasttts import ARMS as FASTTTS_ARMS
 from sgl_tts.bench.fasttts import BUDGET_FRACTIONS, CONCURRENCY, NS
 from sgl_tts.bench.fasttts import PROGRAMS as FASTTTS_PROGRAMS
@@ -31,6 +32,34 @@ def parse_arm(text: str) -> RuntimeArm:
         key, _, value = words.pop(0).partition("=")
         env.append((key, value))
     return RuntimeArm(name, tuple(words), tuple(env))
+
+
+def parse_coexist_arm(text: str) -> CoexistArm:
+    """`--arm NAME=KEY=VALUE,KEY=VALUE`: "search x1" with run-config keys set (`search.n=4`,
+    `fasttts.speculative=true`, `concurrency=2`, `search.settings.tau=0.6`); each VALUE read as YAML, a comma
+    before the next KEY= ends it. The keys are checked against the run config when the bench starts."""
+    name, sep, assignments = text.partition("=")
+    name = name.strip()
+    if not sep or not re.fullmatch(r"[\w.+-]+", name) or not assignments.strip():
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], e.g. "
+                                         f"'budget=search.n=4' or 'two=concurrency=2,fasttts.prefix_order=true'")
+    import yaml
+
+    overrides = []
+    for assignment in re.split(r",(?=\s*[A-Za-z_][\w.]*=)", assignments):
+        key, equals, value = assignment.partition("=")
+        key = key.strip()
+        if not equals or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+            raise argparse.ArgumentTypeError(f"--arm {text!r}: {assignment!r} is not KEY=VALUE with a dotted KEY")
+        try:
+            overrides.append((key, yaml.safe_load(value) if value.strip() else None))
+        except yaml.YAMLError as exc:
+            raise argparse.ArgumentTypeError(f"--arm {text!r}: {key}: {value!r} is not a YAML value ({exc})")
+    concurrency = dict(overrides).get("concurrency", 1)
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: concurrency must be a whole number >= 1")
+    return CoexistArm(name, concurrency=concurrency, overrides=tuple((k, v) for k, v in overrides
+                                                                     if k != "concurrency"))
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -123,6 +152,47 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, help="write every scorer call's counts as JSON here")
     parser.set_defaults(func=bench_verifier)
 
+    parser = bench_commands.add_parser("coexist", help="searches beside a 50 Hz control loop with deadlines: its "
+                                                       "misses, jitter, CPU and memory per arm, recovery after a "
+                                                       "cancel, the machine's state")
+    parser.add_argument("--config", default="cpu-default", help="run config (YAML path or packaged name)")
+    parser.add_argument("--program", default="beam_search")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--beam-width", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--max-step-tokens", type=int, default=24)
+    parser.add_argument("--step-delimiter", default="\\n", help="step delimiter, escapes allowed (default \\n)")
+    parser.add_argument("--several", type=int, default=SEVERAL,
+                        help=f"searches at once in 'search xC' and the cancel (default {SEVERAL})")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of C searches per inference arm")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="length of the no-inference arm")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every arm, interleaved")
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated standard arms (default all: idle, x1, xC, {', '.join(SWITCH_ARMS)})")
+    parser.add_argument("--arm", type=parse_coexist_arm, action="append", default=[],
+                        help="NAME=KEY=VALUE,...: one more arm, 'search x1' with run-config keys set (repeatable), "
+                             "e.g. a search budget: 'budget=search.<key>=<value>'")
+    parser.add_argument("--no-cancel", dest="cancel", action="store_false",
+                        help="skip the cancel-and-recover run after each repeat")
+    parser.add_argument("--cancel-after-s", type=float, default=3.0,
+                        help="cancel the searches this long after they start (while requests are in flight)")
+    parser.add_argument("--watch-s", type=float, default=8.0, help="seconds of the loop watched after a cancel")
+    parser.add_argument("--period-ms", type=float, default=20.0, help="the loop's period (default 20: 50 Hz)")
+    parser.add_argument("--work-fraction", type=float, default=0.3,
+                        help="the loop's work as a fraction of its period on an idle core")
+    parser.add_argument("--live-sessions", type=int, default=2, help="runtime sets kept alive between arms")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")
+    parser.add_argument("--out", default=None, help="folder for bench-coexist.json and bench-coexist.md")
+    parser.set_defaults(func=bench_coexist)
+
+    parser = bench_commands.add_parser("timeline", help="the cost of recording a search's timeline: scripted "
+                                                        "beam searches with record_timeline off and on")
+    parser.add_argument("--searches", type=int, default=40, help="searches per arm and repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; both arms once per round, interleaved")
+    parser.add_argument("--n", type=int, default=16)
+    parser.set_defaults(func=bench_timeline)
+
     parser = bench_commands.add_parser("serve", help="concurrent clients against `sgl-tts serve`, 1 vs 2 replicas")
     parser.add_argument("--config", default="configs/serve-tiny.yaml", help="run config (YAML)")
     parser.add_argument("--program", help="search program (default: the config's)")
@@ -198,3 +268,16 @@ def bench_peers(args: argparse.Namespace) -> int:
     from eval.peers import PeersOptions, run_peers
 
     return run_peers(options_from(args, PeersOptions))
+
+
+def bench_coexist(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.coexist import BenchOptions, run_bench
+
+    options = options_from(args, BenchOptions)
+    return run_bench(dataclasses.replace(options, arm=tuple(args.arm)))
+
+
+def bench_timeline(args: argparse.Namespace) -> int:
+    from sgl_tts.bench.timeline import run_bench
+
+    return run_bench(searches=args.searches, repeats=args.repeats, n=args.n)

@@ -13,6 +13,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR", help="resume a run folder (with its experiment.yaml "
                                                              "unless --config is given)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--timeline", metavar="DIR", help="draw each draw's timeline (runtime slots over time: "
+                                                          "generate, verify, speculation, straggler tail, idle) "
+                                                          "into DIR")
     parser.set_defaults(func=eval_command)
 
     # Optional, so that `sgl-tts eval --config ...` runs an experiment as before.
@@ -32,7 +35,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def eval_command(args: argparse.Namespace) -> int:
     from eval.runner import run_eval
 
-    return run_eval(args.config, out=args.out, resume=args.resume, progress=False if args.no_progress else None)
+    return run_eval(args.config, out=args.out, resume=args.resume, progress=False if args.no_progress else None,
+                    timeline=args.timeline)
 
 
 def eval_verifier_command(args: argparse.Namespace) -> int:

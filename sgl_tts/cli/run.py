@@ -1,4 +1,4 @@
-"""`sgl-tts programs` and `sgl-tts run` (with `--compare`, `--tree` and `--out`)."""
+"""`sgl-tts programs` and `sgl-tts run` (with `--compare`, `--tree`, `--timeline` and `--out`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
     run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
     run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
+    run.add_argument("--timeline", metavar="DIR",
+                     help="draw each search's timeline (what each runtime slot did: generate, verify, speculative "
+                          "head start, straggler tail, idle; iteration boundaries) into DIR/<problem>.png, and the "
+                          "step latency against context length over the run into DIR/latency-vs-context.png")
     run.add_argument("--out", metavar="DIR", help="append each problem's result to DIR/results.jsonl as it "
                                                   "finishes (the record `sgl-tts eval` writes per result line)")
     run.add_argument("--compare", action="store_true",
@@ -54,6 +58,8 @@ def run_command(args: argparse.Namespace) -> int:
         search_overrides["n"] = args.n
     if args.tree:
         search_overrides["record_tree"] = True
+    if args.timeline:
+        search_overrides["record_timeline"] = True
     if search_overrides:
         try:
             config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
@@ -83,11 +89,20 @@ def run_command(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
         searched: list = []
         solved = _write_trees(session.solve_all(problems), args.tree)
+        timelines: list = []
+        if args.timeline:
+            solved = _write_timelines(solved, args.timeline, timelines)
         if results is not None:
             solved = _save_results(solved, results, config)
         with CpuMeter() as meter:
             code = print_run(_collect(solved, searched), config)
         print(f"while solving: {meter.use.describe()}, machine-wide (the runtimes included)", flush=True)
+        if timelines:
+            from sgl_tts.app.timeline import plot_latency_vs_context
+
+            plot_latency_vs_context(timelines, Path(args.timeline) / "latency-vs-context.png",
+                                    f"{config.search.program} n={config.search.n}: step latency vs context length")
+            print(f"timelines: {args.timeline}/ (one per problem, latency-vs-context.png)", flush=True)
         if args.compare or args.compare_fasttts:
             from sgl_tts.app.compare import print_comparison, run_comparison
 
@@ -133,8 +148,24 @@ def _write_trees(results, folder):
     """Pass (problem, result) pairs through, drawing each result's search tree into `folder` (when set)."""
     for problem, result in results:
         if folder and "tree" in result.extra:
+            from sgl_tts.app.timeline import safe_name
             from sgl_tts.app.tree_plot import plot_tree
 
-            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(problem.id))
-            plot_tree(result.extra["tree"], f"{folder}/{safe}.png", f"{result.program}: {problem.id} -> {result.answer}")
+            plot_tree(result.extra["tree"], f"{folder}/{safe_name(problem.id)}.png",
+                      f"{result.program}: {problem.id} -> {result.answer}")
+        yield problem, result
+
+
+def _write_timelines(results, folder, into: list):
+    """Pass (problem, result) pairs through, drawing each result's timeline into `folder` and keeping it in
+    `into` (for the run's latency-vs-context plot)."""
+    from sgl_tts.app.timeline import plot_timeline, safe_name
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for problem, result in results:
+        if "timeline" in result.extra:
+            into.append(result.extra["timeline"])
+            plot_timeline(result.extra["timeline"], Path(folder) / f"{safe_name(problem.id)}.png",
+                          f"{result.program}: {problem.id}, {result.total_time_s:.1f} s, "
+                          f"{result.iterations} iterations")
         yield problem, result

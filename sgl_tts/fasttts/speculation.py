@@ -78,12 +78,12 @@ class HttpSpeculationClient(SpeculationClient):
     def idle_slots(self) -> int | None:
         if self.engine_batch is None:
             return None
-        from sgl_tts.runtime.server import http_json
+        from sgl_tts.runtime.server import engine_loads
 
         with self._lock:
             if self._load is None or time.monotonic() - self._load[0] > LOADS_MAX_AGE_S:
                 try:
-                    loads = http_json(self.runtime.url + "/v1/loads?include=core", timeout=5)["loads"]
+                    loads = engine_loads(self.runtime)
                     busy = sum(int(rank.get("num_running_reqs", 0)) + int(rank.get("num_waiting_reqs", 0))
                                for rank in loads)
                 except (OSError, KeyError, TypeError, ValueError) as exc:
@@ -392,9 +392,16 @@ class SpeculativeExtension:
         """`client.speculate`, its time in the engine kept in `state.held_s` before its future is done."""
         began = time.monotonic()
         try:
-            return self.client.speculate(text, sampling, fields)
+            answer = self.client.speculate(text, sampling, fields)
         finally:
             state.held_s[fields["rid"]] = time.monotonic() - began
+        meta = answer[1]
+        reason = meta.get("finish_reason") or {}
+        self.search.ledger.window("speculative", "generator", began, began + state.held_s[fields["rid"]],
+                                  tokens=int(meta.get("completion_tokens", 0) or 0),
+                                  prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+                                  aborted=int(isinstance(reason, dict) and reason.get("type") == "abort"))
+        return answer
 
     def _collect_speculative(self, state: _Round, config: SearchConfig, wait: bool = False) -> None:
         """Turn finished speculative requests into branches; with `wait`, wait for every one (after the

@@ -23,13 +23,33 @@ class Request:
     e2e_latency: float | None = None
     first_token_latency: float | None = None
     queue_time: float | None = None
+    prompt_tokens: int = 0  # the context it was sent with, in tokens (the server's count)
+
+    @property
+    def sent_at(self) -> float:
+        """When it was sent, on the clock of `answered_at` (time.monotonic)."""
+        return self.answered_at - self.client_s
 
     @classmethod
     def answered(cls, runtime: str, context: str, output: str, meta: dict[str, Any], began: float) -> "Request":
         """The request for `context` sent at time.perf_counter() `began` and answered now with `output`."""
         return cls(runtime, context, output, int(meta.get("completion_tokens", 0) or 0), time.monotonic(),
                    time.perf_counter() - began, meta.get("e2e_latency"), meta.get("first_token_latency"),
-                   meta.get("queue_time"))
+                   meta.get("queue_time"), int(meta.get("prompt_tokens", 0) or 0))
+
+
+@dataclass(frozen=True)
+class Window:
+    """A stretch of a search's work beside its standard requests, kept when the search records its timeline:
+    an `iteration` of `expand` (its requests sent together, their answers awaited), a `verify` call of the
+    scorer, a `speculative` request (FastTTS S's head start). Times on time.monotonic; `numbers`: its counts
+    (tokens, paths, input and cached tokens, aborted)."""
+
+    kind: str
+    runtime: str
+    began: float
+    ended: float
+    numbers: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -48,6 +68,8 @@ class RequestLedger:
     speculative_requests: int = 0
     speculative_tokens: int = 0
     log: list[Request] = field(default_factory=list, repr=False)  # standard requests with their text
+    record_windows: bool = False  # keep `windows` (the search records its timeline)
+    windows: list[Window] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_request(self, request: Request, meta: dict[str, Any]) -> None:
@@ -55,6 +77,16 @@ class RequestLedger:
         with self._lock:
             self.log.append(request)
         self.record(meta)
+
+    def window(self, kind: str, runtime: str, began: float, ended: float, **numbers: float) -> None:
+        """Keep a `Window` of the search's work (a no-op unless `record_windows`)."""
+        if self.record_windows:
+            with self._lock:
+                self.windows.append(Window(kind, runtime, began, ended, tuple(numbers.items())))
+
+    def recorded_windows(self) -> list[Window]:
+        with self._lock:
+            return list(self.windows)
 
     def answered_requests(self, runtime: str | None = None, since: int = 0) -> list[Request]:
         """The standard requests answered so far (those to `runtime` only, when given), from the `since`-th

@@ -442,3 +442,10 @@ def abort_requests(runtime: Any, rids: list[str], timeout: float = 30.0) -> None
             failure = failure or exc
     if failure is not None:
         raise failure
+
+
+def engine_loads(runtime: Any, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The engine's own load counters, one mapping per data-parallel rank (SGLang's `GET /v1/loads?include=core`:
+    `num_running_reqs`, `num_waiting_reqs`, `num_used_tokens`, ...). Raises OSError when the runtime does not
+    answer, KeyError when the answer has no `loads`."""
+    return http_json(runtime.url + "/v1/loads?include=core", timeout=timeout)["loads"]

@@ -47,6 +47,7 @@ class SearchConfig:
     adaptive_granularity: bool = False  # varying_granularity: double g while verification does not separate
     granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
     record_tree: bool = False  # put the scored search tree in the result (extra["tree"], sgl_tts.search.tree)
+    record_timeline: bool = False  # put what the runtimes did for the search in the result (extra["timeline"])
     # The program's own settings: its `Settings` instance, given as a mapping in YAML and validated against the
     # program's `Settings` on load (sgl_tts.search.programs.program_settings); None for a program without any.
     settings: Any = None
@@ -98,6 +99,36 @@ class Runtimes:
         """The context of one new search on these runtimes: the one place a search's state is made."""
         return SearchContext(config, label=str(label), seed=config.seed, extension_factory=self.extension_factory,
                              observers=observers, scoring_observers=scoring_observers)
+
+
+def engine_runtimes(runtimes: Runtimes) -> list[Any]:
+    """The started runtimes beneath `runtimes`' generator and target endpoints (one each, however many endpoints
+    share it); none for a scripted backend."""
+    found = {id(r): r for backend in (runtimes.generator, runtimes.target)
+             if (r := getattr(backend, "runtime", None)) is not None}
+    return list(found.values())
+
+
+def cancel_search(context: SearchContext, runtimes: Runtimes, timeout_s: float = 30.0) -> bool:
+    """Cancel the search of `context` (no new requests) and abort its requests in flight on the runtimes until
+    none is left, at most `timeout_s`; whether none was left. A request sent just before the cancel may reach
+    the runtime after the first abort (SGLang ignores an abort for a rid it has not seen), so the rids still in
+    flight are aborted again each time the in-flight set has not emptied. A runtime that is gone has nothing to
+    abort."""
+    from sgl_tts.runtime.server import abort_requests
+
+    deadline = time.monotonic() + timeout_s
+    rids = context.cancel()
+    while rids and time.monotonic() < deadline:
+        for runtime in engine_runtimes(runtimes):  # a rid unknown to a runtime is ignored there
+            try:
+                abort_requests(runtime, rids)
+            except OSError:
+                pass
+        if context.wait_idle(timeout=0.5):
+            return True
+        rids = context.in_flight()
+    return not rids
 
 
 @dataclass
@@ -182,8 +213,10 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
         children = extension.expand(parents, config, tracker, extract_answer)
     else:
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
-    tracker.generator_time_s += time.monotonic() - began
+    ended = time.monotonic()
+    tracker.generator_time_s += ended - began
     tracker.iterations += 1
+    tracker.ledger.window("iteration", "generator", began, ended, index=tracker.iterations)
     answered = [r.answered_at for r in tracker.ledger.answered_requests(since=answered_before)]
     if answered:
         tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))

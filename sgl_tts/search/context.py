@@ -48,7 +48,8 @@ class SearchContext:
         self.label = label
         self.seed = seed
         self.outer: SearchContext | None = running_search()
-        self.ledger = self.outer.ledger if self.outer is not None else RequestLedger()
+        self.ledger = self.outer.ledger if self.outer is not None else RequestLedger(
+            record_windows=bool(getattr(config, "record_timeline", False)))
         self.observers = tuple(observers)  # called with every answered standard request
         self.scoring_observers = tuple(scoring_observers)  # called with every scoring round's scores
         self._changed = threading.Condition()
@@ -190,9 +191,23 @@ class SearchContext:
         self.verifier_calls += 1
         # per verification: paths, steps scored, the verifier's input and radix-cached tokens, its time
         self.extra.setdefault("verifier_iterations", []).append({**scored.counts.as_dict(), "time_s": seconds})
+        self.ledger.window("verify", "scorer", began, began + seconds, **scored.counts.as_dict())
         for path, path_scores in zip(paths, scored.scores):
             assert len(path_scores) == len(path.steps), "scorer must return one score per step"
             path.step_scores = list(path_scores)
             self.tree.add(path.steps, path.step_scores, path.extra.get("head_start_tokens", 0))
         self.scored(scored.scores)
         return scored
+
+    def timeline(self) -> dict[str, Any]:
+        """What the search's runtimes did for it, in seconds from its start (`sgl_tts.app.timeline` draws it):
+        every standard request (runtime, sent, answered, tokens, context tokens, the server's queue and
+        end-to-end time) from the ledger, and the windows it recorded (iterations, verifier calls, speculative
+        requests; only when its config's `record_timeline` is on)."""
+        origin = self.start
+        requests = [{"runtime": r.runtime, "began": r.sent_at - origin, "ended": r.answered_at - origin,
+                     "tokens": r.completion_tokens, "prompt_tokens": r.prompt_tokens, "queue_s": r.queue_time,
+                     "e2e_s": r.e2e_latency} for r in self.ledger.answered_requests()]
+        windows = [{"kind": w.kind, "runtime": w.runtime, "began": w.began - origin, "ended": w.ended - origin,
+                    **dict(w.numbers)} for w in self.ledger.recorded_windows()]
+        return {"label": self.label, "requests": requests, "windows": windows}

@@ -134,8 +134,9 @@ def accounted(result: Any, context: Any, name: str) -> Any:
             f"the search {seen}): it makes program states outside the search, on a thread of its own. Take the "
             f"search's context, def run(problem, config, runtimes, context=None), and make the states where it "
             f"is bound: in the thread run is called in, or inside `with context.running():` (docs/writing-programs.md)")
+    extra = {**result.extra, "timeline": context.timeline()} if context.ledger.record_windows else result.extra
     return dataclasses.replace(result, generated_tokens=seen, prompt_tokens=context.prompt_tokens,
-                               cached_tokens=context.cached_tokens)
+                               cached_tokens=context.cached_tokens, extra=extra)
 
 
 def plain_function(module: ModuleType) -> object | None:

@@ -29,9 +29,8 @@ from jinja2 import TemplateError
 from sgl_tts.config import ConfigError, load_dataclass, to_dict
 from sgl_tts.frontend.backend import Chat, ChatPrompt
 from sgl_tts.problems import Problem
-from sgl_tts.runtime.server import abort_requests
 from sgl_tts.scoring.base import aggregate
-from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.api import Runtimes, SearchConfig, cancel_search
 from sgl_tts.search.limits import LimitError, Limits, check_limits
 from sgl_tts.search.programs import load_program, program_names, with_program_settings
 from sgl_tts.search.records import SearchResult
@@ -130,6 +129,9 @@ class SearchService:
         if settings.get("record_tree"):  # the reply has no place for the tree: it would only cost memory
             raise request_error("record_tree", "'record_tree' is not available per request (the reply does not "
                                                "carry the search tree; `sgl-tts run --tree` draws it)")
+        if settings.get("record_timeline"):
+            raise request_error("record_timeline", "'record_timeline' is not available per request (the reply "
+                                                   "does not carry the timeline; `sgl-tts run --timeline` draws it)")
         defaults = to_dict(self.default_search)
         if program != self.default_search.program:
             defaults["settings"] = None  # the server's program settings are not this program's
@@ -295,22 +297,8 @@ class SearchService:
         _settle(job.future, result, error)
 
     def _abort(self, job: SearchJob) -> None:
-        """Abort the job's requests until none is in flight: a request sent just before the cancel may reach
-        the runtime after the first abort (SGLang ignores an abort for a rid it has not seen), so the rids
-        still in flight are aborted again each time the in-flight set has not emptied."""
-        deadline = time.monotonic() + self.abort_timeout_s
-        runtimes = {id(r): r for b in (self.runtimes.generator, self.runtimes.target)
-                    if (r := getattr(b, "runtime", None)) is not None}.values()
-        rids = job.context.cancel()
-        while rids and time.monotonic() < deadline:
-            for runtime in runtimes:  # a rid unknown to a runtime is ignored there
-                try:
-                    abort_requests(runtime, rids)
-                except OSError:
-                    pass  # the runtime is gone: nothing left to abort
-            if job.context.wait_idle(timeout=0.5):
-                break
-            rids = job.context.in_flight()
+        """Cancel the job's search and abort its requests in flight (`search.api.cancel_search`)."""
+        cancel_search(job.context, self.runtimes, self.abort_timeout_s)
         job.aborted.set()
 
 
