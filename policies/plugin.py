@@ -1,5 +1,6 @@
 """SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
-batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched) and the step timing of
+batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
+policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed) and the step timing of
 policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
 
 SGLang's scheduler process calls `load_plugins()`, which runs `register()` (entry point group
@@ -18,7 +19,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import cpu_attention, idle_wait, make_policy, step_timing
+from policies import cpu_attention, cpu_linear, idle_wait, make_policy, step_timing
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -70,12 +71,15 @@ def install(name: str, registry: Any, around: Any, trace_path: str | None = None
 
 def register() -> None:
     """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the batched CPU
-    decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, and the step timing
-    (policies/step_timing.py) when $SGLTTS_STEP_TRACE names a file."""
+    decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
+    (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, and the step timing (policies/step_timing.py) when
+    $SGLTTS_STEP_TRACE names a file."""
     name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
     attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
+    linear = (env_names.read(env_names.CPU_LINEAR) or "").strip()
     step_trace = env_names.read(env_names.STEP_TRACE)
-    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and not step_trace:
+    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and linear != cpu_linear.PACKED \
+            and not step_trace:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -84,6 +88,10 @@ def register() -> None:
         HookRegistry.register(idle_wait.TARGET, idle_wait.event_loop, HookType.REPLACE)
         announce(f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
                  f"for requests")
+    if linear == cpu_linear.PACKED:
+        HookRegistry.register(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, HookType.AROUND)
+        HookRegistry.register(cpu_linear.LM_HEAD_TARGET, cpu_linear.lm_head_hook, HookType.AROUND)
+        announce(f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and {cpu_linear.LM_HEAD_TARGET}")
     if step_trace:
         trace = StepTrace(step_trace)
         HookRegistry.register(step_timing.RUN_BATCH, trace.run_batch, HookType.AROUND)

@@ -1,0 +1,84 @@
+"""The linear layers of a CPU runtime through oneDNN, on weights packed once.
+
+Without the CPU build of sgl-kernel, SGLang 0.5.23 computes every unquantized linear layer on a CPU as
+`F.linear(x, W)` (`UnquantizedLinearMethod.apply`) and the LM head as `x @ W^T` (`LogitsProcessor._compute_lm_head`):
+MKL's sgemm reading W [N, K] in its row-major layout, transposed. At decode batches (1-64 rows) that is a
+memory-bound product whose weight is read in an order the kernel then has to re-block on every call, and the LM
+head (49,152 x 576 for SmolLM2) runs at a fraction of the others' rate. oneDNN's inner product reads a weight that
+was reordered once into its own blocked layout:
+
+    W_packed = reorder(W)                    once per weight (torch.ops.mkldnn._reorder_linear_weight)
+    y        = x W^T + b                     every call, any number of rows (torch.ops.mkldnn._linear_pointwise)
+
+The same fp32 arithmetic in another summation order (differences of ~1e-6 relative). Measured on a 2-core AMD EPYC
+(AVX-512), 2 threads, SmolLM2-135M's 121 linear layers of one decode step: 63 -> 27 ms at 16 rows, 180 -> 115 ms at
+64 (`docs/runtime-speed.md` has the runtime's figures). The packed copy costs the weights' size again in memory (540
+MB for SmolLM2-135M fp32, per scheduler process); SGLang's own weights stay, for the embedding the LM head shares and
+for anything else that reads them. A weight changed in place (a weight update) is packed again on its next use.
+
+The plugin (`policies/plugin.py`) installs both hooks with $SGLTTS_CPU_LINEAR=packed (`sgl_tts/runtime/server.py`
+sets it on every CPU runtime); any call that is not a plain fp32 product on the CPU (CUDA, bf16, quantized or
+LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+LINEAR_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+LM_HEAD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+PACKED = "packed"  # the value of $SGLTTS_CPU_LINEAR that installs them
+_CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
+PLAIN_LM_HEAD_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+
+
+def applies(x: Any, weight: Any) -> bool:
+    """Whether y = x W^T is a plain fp32 product on the CPU that oneDNN can take."""
+    import torch
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 2 and weight.layout == torch.strided and not x.requires_grad
+            and torch.backends.mkldnn.is_available())
+
+
+def packed_weight(module: Any) -> Any:
+    """`module.weight` reordered into oneDNN's layout, packed on first use and again after the weight changed."""
+    import torch
+
+    weight = module.weight
+    identity = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    cached = getattr(module, _CACHE, None)
+    if cached is None or cached[0] != identity:
+        cached = (identity, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        setattr(module, _CACHE, cached)
+    return cached[1]
+
+
+def packed_linear(x: Any, packed: Any, bias: Any = None) -> Any:
+    """x [..., K] times the packed weight [N, K], transposed, plus bias: [..., N]."""
+    import torch
+
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """An AROUND hook for `UnquantizedLinearMethod.apply(layer, x, bias)`."""
+    if getattr(layer, "use_intel_amx_backend", False) or not applies(x, layer.weight):
+        return original(method, layer, x, bias)
+    return packed_linear(x, packed_weight(layer), bias)
+
+
+def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
+                 embedding_bias: Any = None, **kwargs: Any) -> Any:
+    """An AROUND hook for `LogitsProcessor._compute_lm_head`: the plain head (an unquantized weight, no LoRA, no
+    fp32-upcast or RL settings) through `packed_linear`; every other head through SGLang's code."""
+    plain = (type(getattr(lm_head, "quant_method", None)).__name__ in PLAIN_LM_HEAD_METHODS
+             and not hasattr(lm_head, "set_lora") and hasattr(lm_head, "weight")
+             and not getattr(lm_head, "use_intel_amx_backend", False)
+             and getattr(processor, "rl_on_policy_target", None) is None
+             and not getattr(processor, "use_fp32_lm_head", False))
+    if not plain or not applies(hidden_states, lm_head.weight):
+        return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
+    return packed_linear(hidden_states, packed_weight(lm_head))

@@ -1,0 +1,84 @@
+"""The packed oneDNN linear layers against F.linear / SGLang's own code, and what they leave to SGLang."""
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.layers.quantization.unquant")
+
+from policies.cpu_linear import applies, linear_hook, lm_head_hook, packed_linear, packed_weight  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def layer_of(rows: int, columns: int, seed: int = 0) -> types.SimpleNamespace:
+    generator = torch.Generator().manual_seed(seed)
+    return types.SimpleNamespace(weight=torch.nn.Parameter(torch.randn(rows, columns, generator=generator),
+                                                          requires_grad=False))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (64, 1536), (3, 5, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(shape, with_bias):
+    layer = layer_of(96, shape[-1], seed=len(shape))
+    x = torch.randn(*shape)
+    bias = torch.randn(96) if with_bias else None
+    expected = torch.nn.functional.linear(x, layer.weight, bias)
+    got = packed_linear(x, packed_weight(layer), bias)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_weight_is_packed_once_and_again_after_it_changes():
+    layer = layer_of(32, 16)
+    first = packed_weight(layer)
+    assert packed_weight(layer) is first  # cached
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an in-place weight update
+    second = packed_weight(layer)
+    assert second is not first
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(packed_linear(x, second), x @ layer.weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_the_linear_hook_takes_fp32_cpu_products_and_passes_the_rest_to_sglang():
+    calls = []
+
+    def original(method, layer, x, bias=None):
+        calls.append(x.dtype)
+        return "sglang"
+
+    layer = layer_of(8, 4)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(linear_hook(original, None, layer, x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    assert calls == []
+    assert linear_hook(original, None, layer, x.bfloat16()) == "sglang"  # another dtype
+    amx = types.SimpleNamespace(weight=layer.weight, use_intel_amx_backend=True)
+    assert linear_hook(original, None, amx, x) == "sglang"  # SGLang's own AMX kernel
+    assert len(calls) == 2
+    assert not applies(x.requires_grad_(), layer.weight)
+
+
+def test_the_lm_head_hook_matches_sglangs_plain_head_and_leaves_other_heads():
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    head = layer_of(500, 64)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    processor = types.SimpleNamespace(rl_on_policy_target=None, use_fp32_lm_head=False)
+    hidden = torch.randn(6, 64)
+    calls = []
+
+    def original(processor, hidden_states, lm_head, embedding_bias=None, **kwargs):
+        calls.append(lm_head)
+        return torch.matmul(hidden_states.to(lm_head.weight.dtype), lm_head.weight.T)
+
+    torch.testing.assert_close(lm_head_hook(original, processor, hidden, head, out=None),
+                               original(processor, hidden, head), rtol=1e-5, atol=1e-4)
+    assert len(calls) == 1  # only the reference call above
+    lora = types.SimpleNamespace(weight=head.weight, quant_method=head.quant_method, set_lora=None)
+    quantized = types.SimpleNamespace(weight=head.weight, quant_method=object())
+    for other in (lora, quantized):
+        lm_head_hook(original, processor, hidden, other)
+    lm_head_hook(original, types.SimpleNamespace(rl_on_policy_target="x", use_fp32_lm_head=False), hidden, head)
+    assert calls[1:] == [lora, quantized, head]
