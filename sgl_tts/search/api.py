@@ -361,9 +361,11 @@ def rank_key(path: ReasoningPath | Candidate, aggregation: str) -> tuple[float, 
 
 def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], config: SearchConfig,
                  tracker: SearchContext, error: str | None = None, extra: dict[str, Any] | None = None,
-                 finish_reason: str = COMPLETE) -> SearchResult:
+                 finish_reason: str | None = None) -> SearchResult:
     """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
-    selection's tie-breaks do not depend on which request finished first), the selected answer, counts."""
+    selection's tie-breaks do not depend on which request finished first), the selected answer, counts. Its
+    `finish_reason` is why the search stopped early when it did (the program answered after the stop), else
+    "complete"."""
     from sgl_tts.search.selection import select
 
     end = tracker.elapsed()
@@ -388,7 +390,8 @@ def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], 
         generated_tokens=tracker.generated_tokens, prompt_tokens=tracker.prompt_tokens,
         cached_tokens=tracker.cached_tokens, generator_time_s=tracker.generator_time_s,
         verifier_time_s=tracker.verifier_time_s, total_time_s=end, iterations=tracker.iterations,
-        verifier_calls=tracker.verifier_calls, error=error, extra=extra, finish_reason=finish_reason,
+        verifier_calls=tracker.verifier_calls, error=error, extra=extra,
+        finish_reason=finish_reason or tracker.stopped or COMPLETE,
     )
 
 
