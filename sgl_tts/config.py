@@ -147,9 +147,11 @@ def load_dataclass(cls: type[T], data: dict[str, Any] | None, source: str = "<co
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
+        error = ConfigError(
             f"{source}: unknown key '{prefix}{unknown[0]}'; known keys here: {', '.join(sorted(fields))}"
         )
+        error.key = prefix + unknown[0]
+        raise error
     kwargs = {}
     for name, field in fields.items():
         if name in data:

@@ -235,3 +235,48 @@ def test_a_served_finish_reason_says_the_search_stopped():
                               finish_reason=ours)
         body = completion("id", result, SearchConfig())
         assert body["choices"][0]["finish_reason"] == theirs and body["sgl_tts"]["finish_reason"] == ours
+
+
+@pytest.fixture(scope="module")
+def served():
+    from tests.test_serve import start_server
+
+    service, http = start_server(max_searches=4)
+    service.limits = Limits(deadline_s=60.0)
+    yield service, http
+    http.stop()
+    service.close()
+
+
+@pytest.mark.parametrize("budget,param,words", [
+    ({"deadline_s": 0}, "budget.deadline_s", "budget.deadline_s must be a number of seconds > 0"),
+    ({"deadline_s": 120}, "budget.deadline_s", "above the limit 60.0 (limits.deadline_s)"),
+    ({"max_tokens": -3}, "budget.max_tokens", "budget.max_tokens must be at least 1"),
+    ({"deadlin_s": 5}, "budget.deadlin_s", "unknown key 'budget.deadlin_s'"),
+    ("soon", "budget", "'budget' must be"),
+])
+def test_a_served_budget_is_checked_naming_the_field(served, budget, param, words):
+    import httpx
+
+    _, http = served
+    answer = httpx.post(http.url + "/v1/chat/completions",
+                        json={"model": "beam_search", "budget": budget, "messages": [{"role": "user", "content": "q"}]})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_a_served_search_past_its_token_budget_answers_with_finish_reason_length(served):
+    import openai
+
+    service, http = served
+    client = openai.OpenAI(base_url=http.url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model="beam_search", messages=[{"role": "user", "content": "budget?"}],
+                                           extra_body={"budget": {"max_tokens": 5}})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.model_extra["sgl_tts"]["finish_reason"] == "token_budget"
+    assert reply.usage.completion_tokens >= 5 and reply.choices[0].message.content
+    whole = client.chat.completions.create(model="beam_search", messages=[{"role": "user", "content": "budget?"}])
+    assert whole.model_extra["sgl_tts"]["finish_reason"] == "complete"
+    assert whole.usage.completion_tokens > reply.usage.completion_tokens
+    assert service.snapshot()["failed"] == 0

@@ -275,22 +275,30 @@ def straggler_tail(began: float, answered_at: Sequence[float]) -> dict[str, floa
 def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
                    extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
     """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
-    is committed and pre-sent to the radix cache (docs/sglang.md)."""
+    is committed and pre-sent to the radix cache (docs/sglang.md). When the search stops while the children
+    are generated, the children answered so far become its frontier before SearchStopped is raised."""
     pending = []
     for index, (parent, count) in enumerate(parents):
         parent.state.text()
         for fork in parent.state.fork(count):
             fork += step_gen(config, parent, logprobs=logprobs)
             pending.append((index, parent, fork))
-    children = []
+    children, stopped = [], None
     for index, parent, fork in pending:
-        meta = wait_meta(fork, "step")
+        try:
+            meta = wait_meta(fork, "step")
+        except SearchStopped as stop:  # this child's request was refused: the others' steps are kept
+            stopped = stop
+            continue
         child = ReasoningPath(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=index)
         if "token_confidences" in parent.extra:
             child.extra["token_confidences"] = list(parent.extra["token_confidences"])
         append_step(child, fork["step"], meta, config, tracker, extract_answer)
         children.append(child)
+    if stopped is not None:
+        tracker.frontier = children or tracker.frontier
+        raise stopped
     return children
 
 
