@@ -105,9 +105,12 @@ def compare_paired(reference: dict[PairKey, Outcome], cell: dict[PairKey, Outcom
 
 
 def budget_summary(rows: list[dict[str, Any]], datasets: list[str], arms: list[str],
-                   reference: str | None) -> dict[str, Any]:
+                   reference: str | None, paired_with: dict[str, str] | None = None) -> dict[str, Any]:
     """Per dataset (in `datasets` order): its cells in `arms` order, then by n, each with `accuracy`, its levels
-    and, unless it is the reference cell, its `compare_paired` with the reference cell."""
+    and, unless it is the reference cell, its `compare_paired` with the reference cell; a cell of an arm in
+    `paired_with` (arm -> the arm it is paired with) also has `vs_paired`, its `compare_paired` with that arm's
+    cell at the same n (when that ran), and that arm's name."""
+    paired_with = paired_with or {}
     outcomes, ungraded = cell_outcomes(rows)
     arm_rank = {arm: i for i, arm in enumerate(arms)}
     out = []
@@ -126,6 +129,9 @@ def budget_summary(rows: list[dict[str, Any]], datasets: list[str], arms: list[s
                 cell["is_reference"] = is_reference
                 if not is_reference:
                     cell["vs_reference"] = compare_paired(outcomes[(dataset, reference, reference_n)], cell_outcome)
+            partner = outcomes.get((dataset, paired_with.get(arm), n))
+            if partner is not None:
+                cell["vs_paired"] = {"arm": paired_with[arm], **compare_paired(partner, cell_outcome)}
             cells.append(cell)
         if cells:
             groups = {key[:2] for k in keys for key in outcomes.get(k, {})}
@@ -173,10 +179,10 @@ def _unmatched_note(cell: dict[str, Any], reference: dict[str, Any]) -> str:
             f"compared on the {comparison['pairs']} shared pair(s), left out: " + "; ".join(parts))
 
 
-def _comparison_text(cell: dict[str, Any]) -> str:
-    if cell.get("is_reference"):
+def _comparison_text(cell: dict[str, Any], key: str = "vs_reference") -> str:
+    if cell.get("is_reference") and key == "vs_reference":
         return "reference"
-    comparison = cell.get("vs_reference")
+    comparison = cell.get(key)
     if comparison is None:
         return "–"
     mark = " ‡" if comparison["only_reference"] or comparison["only_cell"] else ""
@@ -220,6 +226,20 @@ def budget_markdown(summary: dict[str, Any]) -> list[str]:
             lines.append("| " + " | ".join(values) + " |")
         if notes:
             lines += [""] + [f"‡ {note}" for note in notes]
+        paired = [cell for cell in dataset["cells"] if "vs_paired" in cell]
+        if paired:
+            tokens = {(cell["arm"], cell["n"]): cell["tokens_per_problem"] for cell in dataset["cells"]}
+            lines += ["", f"### Paired arms — {dataset['dataset']}", "",
+                      "Each arm against the arm it is paired with (`paired_with`) at the same n, on the (seed, "
+                      "repetition, problem) both ran: Δ accuracy in points with its 95% paired-bootstrap "
+                      "interval, McNemar exact p; generated tokens per problem of both.", "",
+                      "| arm | vs | n | tokens / problem | vs tokens / problem | Δ accuracy [95% CI], p |",
+                      "|---|---|---:|---:|---:|---:|"]
+            for cell in paired:
+                other = cell["vs_paired"]["arm"]
+                lines.append(f"| {cell['arm']} | {other} | {cell['n']} | {_tokens_text(cell['tokens_per_problem'])} "
+                             f"| {_tokens_text(tokens.get((other, cell['n'])))} "
+                             f"| {_comparison_text(cell, 'vs_paired')} |")
         ungraded = [c for c in dataset["cells"] if c["ungraded"]]
         if ungraded:
             lines += [""] + [f"- {c['arm']} n={c['n']}: {c['ungraded']} line(s) without a gold answer, not counted"

@@ -52,6 +52,9 @@ class DatasetSelection:
     gold_format: str | None = None
     split: str = "test"
     skip_malformed: bool = False  # skip and count malformed JSONL lines instead of failing
+    # one half of the slice: the problems at even (0, 2, ...) or odd positions, e.g. thresholds chosen on one
+    # half and reported on the other (`half_of`); None: every problem
+    half: Literal["even", "odd"] | None = None
 
     def __post_init__(self) -> None:
         if self.offset < 0 or (self.limit is not None and self.limit < 0):
@@ -67,12 +70,22 @@ class DatasetSelection:
         return self.name
 
 
+def half_of(problems: list[Any], half: str | None) -> list[Any]:
+    """The problems at even or odd positions of `problems` (`DatasetSelection.half`); all of them for None."""
+    if half is None:
+        return list(problems)
+    return list(problems[{"even": 0, "odd": 1}[half]::2])
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)  # nested RunConfig fields to change
     baseline: bool = False  # the arm the report divides by (default: the first arm)
     n_values: list[int] | None = None  # None: the experiment's n_values; checked like them as arms[i].n_values
+    # the arm this one is compared with pair by pair at each n both ran (e.g. a search with and without a
+    # stopping rule), besides the experiment's `reference` (eval/budget.py)
+    paired_with: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,10 @@ class ExperimentConfig:
                 check_n_values(arm.n_values, f"arms[{index}].n_values")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must not repeat a value, got {self.seeds}")
+        for index, arm in enumerate(self.arms):
+            if arm.paired_with is not None and (arm.paired_with not in names or arm.paired_with == arm.name):
+                raise ValueError(f"arms[{index}].paired_with ('{arm.name}') must name another arm of {names}, "
+                                 f"got {arm.paired_with!r}")
         if self.reference is not None and self.reference not in names:
             raise ValueError(f"reference must name one of the arms {names}, got {self.reference!r}")
         if not self.seeds:

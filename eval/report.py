@@ -106,7 +106,8 @@ def summarize_experiment(experiment: Experiment, records: list[dict[str, Any]]) 
         "cells": [{"dataset": dataset, "arm": arm, "n": n, "units": units, "stats": over_repetitions(units)}
                   for (dataset, arm, n), units in cells.items()],
         "budget": budget_summary(rows, [d.key for d in experiment.config.datasets],
-                                 [a.name for a in experiment.config.arms], experiment.config.reference),
+                                 [a.name for a in experiment.config.arms], experiment.config.reference,
+                                 {a.name: a.paired_with for a in experiment.config.arms if a.paired_with}),
     }
 
 

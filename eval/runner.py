@@ -384,6 +384,8 @@ class EvalRun:
 
     # -- checks before anything starts -------------------------------------------------------------------
     def load_problems(self) -> dict[str, list[Problem]]:
+        from eval.experiment import half_of
+
         problems = {}
         for selection in self.config.datasets:
             loaded = load_problems(selection.name, limit=selection.limit, offset=selection.offset, ids=selection.ids,
@@ -392,7 +394,7 @@ class EvalRun:
                                    split=selection.split, skip_malformed=selection.skip_malformed)
             if loaded.skipped_lines:
                 self.log(f"{loaded.source}: skipped {loaded.skipped_lines} malformed line(s)")
-            problems[selection.key] = list(loaded.problems)
+            problems[selection.key] = half_of(list(loaded.problems), selection.half)
         return problems
 
     def check_arms(self) -> None:

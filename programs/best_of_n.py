@@ -31,10 +31,12 @@ def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchConte
         record_token_confidences(path, meta)
         reason = (meta.get("finish_reason") or {}).get("type")
         marked = extract_answer(text)
+        paths.append(path)
+        if reason == "abort":  # the engine aborted it (the search stopped early): an unfinished path
+            continue
         # a solution the model ended may state its answer unmarked at the end; one cut at max_tokens has none
         path.answer = marked if marked is not None or reason == "length" else answer_at_end(text)
         finish(path, "answer" if marked else ("max_tokens" if reason == "length" else "eos"), tracker)
-        paths.append(path)
     forks.join()
     return paths
 

@@ -28,6 +28,8 @@ completed is checked (the lowest group of the trace so far), so a dip inside a p
 Settings (`search.settings`) are `Settings` below; η = 0.9 is DeepConf-high, η = 0.1 DeepConf-low. The window
 defaults to 32 tokens, not the paper's 2048, and the rules are checked every 8 tokens: traces on a CPU runtime
 are about a hundred tokens long, and a step of up to 40 of them is too coarse a grain to stop at.
+The stop rules are the ones every step program may use by a setting (`search.stopping`): the rule objects of
+`sgl_tts.search.stopping` (`TraceConfidenceRule`, `SettledAnswerRule`), here warmed up by the warm-up traces.
 Result: `extra["deepconf"]` holds the threshold, every trace's confidence (trace order: warm-up first, as
 candidates' extra["trace"]), the voting, stopped and cut traces, and the warm-up's tokens.
 """
@@ -43,9 +45,9 @@ import sglang as sgl
 
 from programs.best_of_n import best_of_n_program
 from sgl_tts.search import (RUNTIME_FAILURES, build_result, expand, extract_answer, filter_top, finish,
-                            lowest_group_confidence, normalize_answer, OnlineThreshold, ReasoningPath, Runtimes,
-                            search_failed, SearchConfig, SearchContext, SearchResult, settings_of, start_search,
-                            vote_settled, weighted_vote)
+                            normalize_answer, ReasoningPath, Runtimes, search_failed, SearchConfig, SearchContext,
+                            SearchResult, settings_of, start_search, weighted_vote)
+from sgl_tts.search.stopping import SettledAnswerRule, TraceConfidenceRule
 
 MODES = ("online", "offline")
 VOTELESS = ("low_confidence", "vote_settled")  # online traces stopped before their end do not vote
@@ -94,12 +96,21 @@ def in_pieces(config: SearchConfig, check_tokens: int | None) -> SearchConfig:
     return dataclasses.replace(config, max_step_tokens=check_tokens, max_steps=config.max_steps * pieces_per_step)
 
 
-def trace_confidence(trace: ReasoningPath, settings: Settings) -> float:
+def confidence_rule(settings: Settings, warmup: int) -> TraceConfidenceRule:
+    """The trace-confidence stop rule, its threshold set by `warmup` traces."""
+    return TraceConfidenceRule(settings.window, settings.keep_fraction, warmup)
+
+
+def settled_rule(settings: Settings) -> SettledAnswerRule:
+    return SettledAnswerRule(settings.consensus)
+
+
+def trace_confidence(trace: ReasoningPath, rule: TraceConfidenceRule) -> float:
     """min_G C_G of the trace's tokens so far."""
     confidences = trace.extra.get("token_confidences")
     if not confidences:
         raise ValueError("deepconf needs per-token top logprobs, and the generator returned none for a trace")
-    return lowest_group_confidence(confidences, settings.window)
+    return rule.confidence(confidences)
 
 
 def vote(traces: list[ReasoningPath]) -> tuple[list[str | None], list[float]]:
@@ -122,22 +133,22 @@ def sample_whole_traces(prompt: str, count: int, config: SearchConfig, settings:
                                    logprobs=settings.top_k, backend=backend).ret_value
     tracker.generator_time_s += time.monotonic() - began
     tracker.iterations += 1
+    rule = confidence_rule(settings, warmup=len(traces))
     for trace in traces:
-        trace.extra["confidence"] = trace_confidence(trace, settings)
+        trace.extra["confidence"] = trace_confidence(trace, rule)
     return traces
 
 
-def stop_if_unsure(trace: ReasoningPath, threshold: OnlineThreshold, settings: Settings,
-                   tracker: SearchContext) -> None:
+def stop_if_unsure(trace: ReasoningPath, rule: TraceConfidenceRule, tracker: SearchContext) -> None:
     """Set the trace's confidence so far and stop it when that is below s (C_G < s for a window of its last step)."""
-    trace.extra["confidence"] = trace_confidence(trace, settings)
-    if threshold.should_stop(trace.extra["confidence"]):
+    trace.extra["confidence"] = trace_confidence(trace, rule)
+    if rule.should_stop(trace.extra["confidence"]):
         trace.finish_reason = None  # the window fell below s inside this step: before the step's own ending
         finish(trace, "low_confidence", tracker)
 
 
 @sgl.function
-def online_traces(s, prompt: str, count: int, warmup_voters: list[ReasoningPath], threshold: OnlineThreshold,
+def online_traces(s, prompt: str, count: int, warmup_voters: list[ReasoningPath], rule: TraceConfidenceRule,
                   config: SearchConfig, settings: Settings, tracker: SearchContext, finished: list[ReasoningPath]):
     """Grow `count` traces together, one piece a round, under DeepConf's online stop rules; returns them all."""
     config = in_pieces(config, settings.check_tokens)
@@ -145,11 +156,11 @@ def online_traces(s, prompt: str, count: int, warmup_voters: list[ReasoningPath]
     grown = traces = expand([(ReasoningPath(state=s), count)], config, tracker, extract_answer, logprobs=settings.top_k)
     while True:
         for trace in grown:
-            stop_if_unsure(trace, threshold, settings, tracker)
+            stop_if_unsure(trace, rule, tracker)
         finished += [trace for trace in grown if not trace.active]
         growing = [trace for trace in traces if trace.active]
         voters = warmup_voters + [trace for trace in traces if trace.finish_reason not in (None, *VOTELESS)]
-        if vote_settled(*vote(voters), remaining_traces=len(growing), consensus=settings.consensus):
+        if settled_rule(settings).settled(*vote(voters), remaining=len(growing)):
             for trace in growing:
                 finish(trace, "vote_settled", tracker)
             finished += growing
@@ -164,16 +175,18 @@ def sample_online(prompt: str, config: SearchConfig, settings: Settings, tracker
     """(traces in sampling order, the voting ones, the report) of online DeepConf."""
     warmup = sample_whole_traces(prompt, min(settings.warmup, config.n), config, settings, tracker, backend)
     finished += warmup
-    threshold = OnlineThreshold.from_warmup([trace.extra["confidence"] for trace in warmup], settings.keep_fraction)
-    voters = [trace for trace in warmup if not threshold.should_stop(trace.extra["confidence"])]
+    rule = confidence_rule(settings, warmup=len(warmup))
+    for trace in warmup:
+        rule.warm_up(trace.extra["confidence"])
+    voters = [trace for trace in warmup if not rule.should_stop(trace.extra["confidence"])]
     remaining = config.n - len(warmup)
     traces = list(warmup)
-    if not vote_settled(*vote(voters), remaining_traces=remaining, consensus=settings.consensus):
-        traces += online_traces.run(prompt=prompt, count=remaining, warmup_voters=voters, threshold=threshold,
+    if not settled_rule(settings).settled(*vote(voters), remaining=remaining):
+        traces += online_traces.run(prompt=prompt, count=remaining, warmup_voters=voters, rule=rule,
                                     config=config, settings=settings, tracker=tracker, finished=finished,
                                     backend=backend).ret_value
     voters += [trace for trace in traces[len(warmup):] if trace.finish_reason not in VOTELESS]
-    report = {"threshold": threshold.threshold, "warmup_tokens": sum(trace.tokens for trace in warmup),
+    report = {"threshold": rule.threshold.threshold, "warmup_tokens": sum(trace.tokens for trace in warmup),
               "unsampled": config.n - len(traces)}
     return traces, voters, report
 

@@ -24,6 +24,15 @@ class ConfigError(ValueError):
     """A config value is unknown, missing or invalid. The message names the key and the file."""
 
 
+class FieldValueError(ValueError):
+    """A config dataclass's check of one of its fields failed (raised in `__post_init__`); the loader's
+    ConfigError then carries the dotted key of `field` as its `key`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def _describe(tp: Any) -> str:
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
@@ -138,9 +147,11 @@ def load_dataclass(cls: type[T], data: dict[str, Any] | None, source: str = "<co
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
+        error = ConfigError(
             f"{source}: unknown key '{prefix}{unknown[0]}'; known keys here: {', '.join(sorted(fields))}"
         )
+        error.key = prefix + unknown[0]
+        raise error
     kwargs = {}
     for name, field in fields.items():
         if name in data:
@@ -152,7 +163,10 @@ def load_dataclass(cls: type[T], data: dict[str, Any] | None, source: str = "<co
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or cls.__name__}: {exc}") from exc
+        error = ConfigError(f"{source}: {prefix.rstrip('.') or cls.__name__}: {exc}")
+        if isinstance(exc, FieldValueError):
+            error.key = prefix + exc.field
+        raise error from exc
 
 
 def find_config(path: str | Path, packaged: Path) -> Path:

@@ -230,3 +230,51 @@ def test_accuracy_vs_tokens_plot_is_written_per_dataset(tmp_path):
     assert path in paths
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_a_paired_arm_is_compared_with_its_partner_at_the_same_n(tmp_path):
+    data = {"name": "p", "backend": "scripted", "n_values": [4], "seeds": [0, 1],
+            "arms": [{"name": "plain", "baseline": True}, {"name": "stopped", "paired_with": "plain"}],
+            "datasets": [{"name": "builtin"}]}
+    paired = resolve(load_dataclass(ExperimentConfig, data, "<test>"), "<test>")
+    rows = []
+    for seed, problems in OUTCOMES.items():
+        for problem, (plain, stopped) in problems.items():
+            rows.append(budget_row("plain", 4, seed, problem, plain, 120))
+            rows.append(budget_row("stopped", 4, seed, problem, stopped, 40))
+    write_results(tmp_path, rows)
+    text = write_report(tmp_path, paired)
+    [dataset] = json.loads((tmp_path / "summary.json").read_text())["budget"]["datasets"]
+    cells = {c["arm"]: c for c in dataset["cells"]}
+    assert "vs_paired" not in cells["plain"] and cells["stopped"]["vs_paired"]["arm"] == "plain"
+    pairs = pool_seeds({seed: {p: o[0] for p, o in problems.items()} for seed, problems in OUTCOMES.items()},
+                       {seed: {p: o[1] for p, o in problems.items()} for seed, problems in OUTCOMES.items()})
+    difference, low, high = paired_bootstrap(pairs.a_correct, pairs.b_correct)
+    comparison = cells["stopped"]["vs_paired"]
+    assert [comparison["difference"], *comparison["interval"]] == pytest.approx([difference, low, high])
+    assert comparison["p_value"] == pytest.approx(mcnemar_exact(pairs.a_correct, pairs.b_correct).p_value)
+    assert "### Paired arms — builtin" in text
+    assert f"| stopped | plain | 4 | 40 | 120 | +33.3 pt [{100 * low:+.1f}, {100 * high:+.1f}]" in text
+
+
+def test_paired_with_must_name_another_arm():
+    from sgl_tts.config import ConfigError
+
+    for partner in ("nobody", "solo"):
+        with pytest.raises(ConfigError, match=r"arms\[0\].paired_with"):
+            load_dataclass(ExperimentConfig, {"name": "x", "arms": [{"name": "solo", "paired_with": partner}]},
+                           "<test>")
+
+
+def test_a_dataset_half_keeps_the_even_or_odd_positions():
+    from eval.experiment import DatasetSelection, half_of
+
+    problems = list("abcde")
+    assert half_of(problems, "even") == ["a", "c", "e"] and half_of(problems, "odd") == ["b", "d"]
+    assert half_of(problems, None) == problems
+    assert sorted(half_of(problems, "even") + half_of(problems, "odd")) == problems
+    assert load_dataclass(DatasetSelection, {"name": "graded", "half": "odd"}).half == "odd"
+    from sgl_tts.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'half' must be"):
+        load_dataclass(DatasetSelection, {"name": "graded", "half": "first"})

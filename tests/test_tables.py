@@ -180,14 +180,14 @@ def test_sweep_comparison_and_run_tables(capsys):
     assert print_run(pairs, None) == 1, "a failed search"
     assert print_run([], None) == 0
     assert capsys.readouterr().out == (
-        "problem            gold       answer  ok  tokens  time s  goodput  cached\n"
-        "-------------------------------------------------------------------------\n"
+        "problem            gold       answer  ok  tokens  time s  goodput  cached  end\n"
+        "------------------------------------------------------------------------------\n"
         "p1                    4            4 yes      30     3.0    10.00     40%\n"
         "a-very-long-p… 1234567…         12 3  no 1234567 12345.6   100.00     40%  error: boom\n"
         "p3                    -            -  no       0     0.5        -     40%\n"  # no tokens, no goodput (nor in the mean)
-        "-------------------------------------------------------------------------\n"
+        "------------------------------------------------------------------------------\n"
         "solved 1/3 (33%) | generated tokens 1234597 | precise goodput mean 55.00 tok/s | latency p50 3.0 s | generator 9262 s, verifier 3087 s | prefix cache hit 40%\n"
-        "problem            gold       answer  ok  tokens  time s  goodput  cached\n"
-        "-------------------------------------------------------------------------\n"
+        "problem            gold       answer  ok  tokens  time s  goodput  cached  end\n"
+        "------------------------------------------------------------------------------\n"
         "no problems\n"
     )

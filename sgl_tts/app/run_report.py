@@ -8,10 +8,12 @@ from typing import Any, Iterable
 from sgl_tts.measure.metrics import mean_goodput
 from sgl_tts.measure.tables import Column, format_row, number_cell
 from sgl_tts.search.grading import grade, graded_answer
-from sgl_tts.search.records import SearchResult
+from sgl_tts.search.records import COMPLETE, SearchResult
 
 COLUMNS = (Column("problem", 14, "<"), Column("gold", 8), Column("answer", 12), Column("ok", 3), Column("tokens", 7),
-           Column("time s", 7), Column("goodput", 8), Column("cached", 7))
+           Column("time s", 7), Column("goodput", 8), Column("cached", 7), Column("end", 0, "<", gap=2))  # the last: as wide as its cell
+# the `end` column: blank for a search that ran to its end, else why it stopped early and answered
+STOPPED_EARLY = {"deadline": "deadline", "token_budget": "token budget", "settled": "settled"}
 
 
 def _short(text: str | None, width: int = 12) -> str:
@@ -32,7 +34,9 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
         print(format_row(COLUMNS, [_short(problem.id, 14), _short(problem.gold, 8), _short(answer),
                                    "yes" if correct else "no", str(result.generated_tokens),
                                    f"{result.total_time_s:.1f}", number_cell(result.precise_goodput),
-                                   f"{result.cache_hit_rate:.0%}"])
+                                   f"{result.cache_hit_rate:.0%}",
+                                   STOPPED_EARLY.get(result.finish_reason, result.finish_reason
+                                                     if result.finish_reason != COMPLETE else "")]).rstrip()
               + (f"  error: {result.error}" if result.error else ""), flush=True)
     if not rows:
         print("no problems")
@@ -47,6 +51,11 @@ def print_run(results: Iterable[tuple[Any, SearchResult]], config: Any) -> int:
           f"generator {sum(r.generator_time_s for r in results_only):.0f} s, "
           f"verifier {sum(r.verifier_time_s for r in results_only):.0f} s | "
           f"prefix cache hit {sum(r.cached_tokens for r in results_only) / max(1, sum(r.prompt_tokens for r in results_only)):.0%}")
+    early = [r.finish_reason for r in results_only if r.finish_reason != COMPLETE]
+    if early:
+        print(f"stopped early and answered: {len(early)} of {len(rows)} ("
+              + ", ".join(f"{STOPPED_EARLY.get(reason, reason)} {early.count(reason)}" for reason in sorted(set(early)))
+              + ")")
     if any("rsd" in r.extra for r in results_only):
         from sgl_tts.rsd.sweep import summary_lines
 

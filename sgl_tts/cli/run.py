@@ -16,6 +16,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                      help="run config: a YAML path or a packaged config's name (cpu-default, rsd-cpu)")
     run.add_argument("--program", help="override search.program")
     run.add_argument("--n", type=int, help="override search.n")
+    run.add_argument("--deadline", type=float, metavar="SECONDS",
+                     help="override search.budget.deadline_s: each search stops at SECONDS and answers with what it "
+                          "has (the report's 'end' column says so)")
+    run.add_argument("--token-budget", type=int, metavar="N",
+                     help="override search.budget.max_tokens: each search stops after N generated tokens (all its "
+                          "paths)")
     run.add_argument("--limit", type=int, help="only the first LIMIT problems")
     run.add_argument("--device", choices=["cpu", "cuda"], help="override the runtimes' device")
     run.add_argument("--tree", metavar="DIR", help="draw each problem's search tree into DIR (PNG)")
@@ -51,20 +57,10 @@ def run_command(args: argparse.Namespace) -> int:
     from sgl_tts.app.session import Session, load_run_config
 
     config = load_run_config(args.config)
-    search_overrides = {}
-    if args.program and args.program != config.search.program:
-        search_overrides.update(program=args.program, settings=None)  # the file's settings are its program's
-    if args.n:
-        search_overrides["n"] = args.n
-    if args.tree:
-        search_overrides["record_tree"] = True
-    if args.timeline:
-        search_overrides["record_timeline"] = True
-    if search_overrides:
-        try:
-            config = dataclasses.replace(config, search=dataclasses.replace(config.search, **search_overrides))
-        except ValueError as exc:
-            raise ConfigError(f"{args.config} with --program/--n: {exc}") from None
+    try:
+        config = dataclasses.replace(config, search=overridden_search(config.search, args))
+    except ValueError as exc:
+        raise ConfigError(f"{args.config} with --program/--n/--deadline/--token-budget: {exc}") from None
     if args.device:
         config = dataclasses.replace(config, generator=dataclasses.replace(config.generator, device=args.device))
         if config.scorer.runtime is not None:
@@ -108,6 +104,27 @@ def run_command(args: argparse.Namespace) -> int:
 
             print_comparison(run_comparison(session, problems, searched, fasttts_off=args.compare_fasttts))
         return code
+
+
+def overridden_search(search, args: argparse.Namespace):
+    """The run config's search section with the command line's overrides; ValueError (naming the field) for a
+    bad value."""
+    import dataclasses
+
+    overrides = {}
+    if args.program and args.program != search.program:
+        overrides.update(program=args.program, settings=None)  # the file's settings are its program's
+    if args.n:
+        overrides["n"] = args.n
+    if args.tree:
+        overrides["record_tree"] = True
+    if args.timeline:
+        overrides["record_timeline"] = True
+    budget = {name: value for name, value in (("deadline_s", args.deadline), ("max_tokens", args.token_budget))
+              if value is not None}
+    if budget:
+        overrides["budget"] = dataclasses.replace(search.budget, **budget)
+    return dataclasses.replace(search, **overrides) if overrides else search
 
 
 def start_results(folder: str, config) -> "ResultStore":

@@ -7,6 +7,7 @@ A program file in `programs/` composes these pieces inside an `@sgl.function`; s
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -17,10 +18,12 @@ from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.frontend.sglang_internals import bind_search, make_executor_finalizer_lock_free, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
 from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
+from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.confidence import token_confidence
-from sgl_tts.search.context import SearchContext
+from sgl_tts.search.context import SearchContext, SearchStopped
 from sgl_tts.search.grading import answer_at_end, extract_answer
-from sgl_tts.search.records import Candidate, SearchResult
+from sgl_tts.search.records import COMPLETE, Candidate, SearchResult
+from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, Stopping
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -48,6 +51,8 @@ class SearchConfig:
     granularity_margin: float = 0.05  # ... the kept from the pruned children by at least this mean score
     record_tree: bool = False  # put the scored search tree in the result (extra["tree"], sgl_tts.search.tree)
     record_timeline: bool = False  # put what the runtimes did for the search in the result (extra["timeline"])
+    budget: Budget = Budget()  # the whole search's deadline and token budget (sgl_tts.search.budget); none by default
+    stopping: Stopping = Stopping()  # stopping rules beneath the program (sgl_tts.search.stopping); off by default
     # The program's own settings: its `Settings` instance, given as a mapping in YAML and validated against the
     # program's `Settings` on load (sgl_tts.search.programs.program_settings); None for a program without any.
     settings: Any = None
@@ -95,10 +100,17 @@ class Runtimes:
     extension_factory: Callable[[SearchContext], Any] | None = None
 
     def new_search(self, config: "SearchConfig", label: str = "search", observers: Sequence[Callable] = (),
-                   scoring_observers: Sequence[Callable] = ()) -> SearchContext:
-        """The context of one new search on these runtimes: the one place a search's state is made."""
+                   scoring_observers: Sequence[Callable] = (), clock: Callable[[], float] = time.monotonic
+                   ) -> SearchContext:
+        """The context of one new search on these runtimes: the one place a search's state is made. A search
+        that stops early has its requests in flight aborted here (`abort_in_flight`, on a thread of its own)."""
         return SearchContext(config, label=str(label), seed=config.seed, extension_factory=self.extension_factory,
-                             observers=observers, scoring_observers=scoring_observers)
+                             observers=observers, scoring_observers=scoring_observers, clock=clock,
+                             on_stop=self._abort_stopped)
+
+    def _abort_stopped(self, context: SearchContext) -> None:
+        threading.Thread(target=abort_in_flight, args=(context, self, context.in_flight()),
+                         name=f"stop-{context.label}", daemon=True).start()
 
 
 def engine_runtimes(runtimes: Runtimes) -> list[Any]:
@@ -115,10 +127,15 @@ def cancel_search(context: SearchContext, runtimes: Runtimes, timeout_s: float =
     the runtime after the first abort (SGLang ignores an abort for a rid it has not seen), so the rids still in
     flight are aborted again each time the in-flight set has not emptied. A runtime that is gone has nothing to
     abort."""
+    return abort_in_flight(context, runtimes, context.cancel(), timeout_s)
+
+
+def abort_in_flight(context: SearchContext, runtimes: Runtimes, rids: list[str], timeout_s: float = 30.0) -> bool:
+    """Abort the requests `rids` of `context` (which refuses new ones: cancelled or stopped) on the runtimes, and
+    the ones still in flight again, until none is left or `timeout_s` passed; whether none was left."""
     from sgl_tts.runtime.server import abort_requests
 
     deadline = time.monotonic() + timeout_s
-    rids = context.cancel()
     while rids and time.monotonic() < deadline:
         for runtime in engine_runtimes(runtimes):  # a rid unknown to a runtime is ignored there
             try:
@@ -180,11 +197,12 @@ def record_token_confidences(path: ReasoningPath, meta: dict[str, Any]) -> None:
 
 
 def finish_reason_of(meta: dict[str, Any], delimiter: str) -> str:
-    """'step' when the step ended at the delimiter, 'eos' at end of sequence, 'length' at the token cap."""
+    """'step' when the step ended at the delimiter, 'eos' at end of sequence, 'length' at the token cap,
+    'abort' when the engine aborted the request (a stopped search's request in flight)."""
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-    if kind == "length":
-        return "length"
+    if kind in ("length", "abort"):
+        return kind
     if kind == "stop" and reason.get("matched") == delimiter:
         return "step"
     return "eos"
@@ -200,16 +218,30 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     Returns the children in (parent order, fork order). When the search has a step extension (FastTTS
     speculative beam extension, switched on in the run config) the extension does the iteration, with head
     starts from speculation; the children are the same kind either way.
+
+    Beneath every program, from the search's context: a stopped search (its budget spent, its vote settled)
+    raises SearchStopped here instead of sending, and after an iteration in which it stopped; while the budget's
+    slack is below its threshold (`SearchContext.narrowing`) each parent gets `Narrowing.children` of its count
+    and the step extension is not used; with the confidence rule on (`search.stopping`) every step asks for
+    top logprobs and a child whose confidence falls below the threshold ends "low_confidence".
     """
     parents = [(parent, count) for parent, count in parents if count > 0]
     if not parents:
         return []
+    tracker.check_budget()
+    tracker.refuse_if_stopped()
+    narrow = tracker.narrowing
+    if narrow:
+        parents = [(parent, Narrowing.children(count)) for parent, count in parents]
+        tracker.extra["narrowed_iterations"] = tracker.extra.get("narrowed_iterations", 0) + 1
+    tracker.frontier = [parent for parent, _ in parents]
+    logprobs = max(logprobs, tracker.stopping.logprobs)
     began = time.monotonic()
     answered_before = tracker.ledger.answered_count()
     for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
         bind_search(parent.state, tracker)
     extension = tracker.extension
-    if extension is not None and not logprobs:  # speculative text carries no logprobs: such a step goes plainly
+    if extension is not None and not logprobs and not narrow:  # speculative text carries no logprobs
         children = extension.expand(parents, config, tracker, extract_answer)
     else:
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
@@ -220,6 +252,11 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     answered = [r.answered_at for r in tracker.ledger.answered_requests(since=answered_before)]
     if answered:
         tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))
+    tracker.frontier = children
+    for child in children:
+        if child.active and tracker.unsure(child):
+            finish(child, LOW_CONFIDENCE, tracker)
+    tracker.refuse_if_stopped()
     return children
 
 
@@ -238,22 +275,30 @@ def straggler_tail(began: float, answered_at: Sequence[float]) -> dict[str, floa
 def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, tracker: SearchContext,
                    extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
     """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
-    is committed and pre-sent to the radix cache (docs/sglang.md)."""
+    is committed and pre-sent to the radix cache (docs/sglang.md). When the search stops while the children
+    are generated, the children answered so far become its frontier before SearchStopped is raised."""
     pending = []
     for index, (parent, count) in enumerate(parents):
         parent.state.text()
         for fork in parent.state.fork(count):
             fork += step_gen(config, parent, logprobs=logprobs)
             pending.append((index, parent, fork))
-    children = []
+    children, stopped = [], None
     for index, parent, fork in pending:
-        meta = wait_meta(fork, "step")
+        try:
+            meta = wait_meta(fork, "step")
+        except SearchStopped as stop:  # this child's request was refused: the others' steps are kept
+            stopped = stop
+            continue
         child = ReasoningPath(state=fork, steps=list(parent.steps), step_scores=list(parent.step_scores),
                      tokens=parent.tokens, parent=index)
         if "token_confidences" in parent.extra:
             child.extra["token_confidences"] = list(parent.extra["token_confidences"])
         append_step(child, fork["step"], meta, config, tracker, extract_answer)
         children.append(child)
+    if stopped is not None:
+        tracker.frontier = children or tracker.frontier
+        raise stopped
     return children
 
 
@@ -299,9 +344,11 @@ def current_step(steps: Sequence[str], delimiter: str) -> str:
 
 
 def finish(path: ReasoningPath, reason: str, tracker: SearchContext) -> None:
+    """End `path` for `reason` (once), and tell the search (`SearchContext.path_finished`: its stopping rules)."""
     if path.finish_reason is None:
         path.finish_reason = reason
         path.finish_time_s = tracker.elapsed()
+        tracker.path_finished(path)
 
 
 def split_steps(text: str, delimiter: str, max_steps: int) -> list[str]:
@@ -321,10 +368,12 @@ def rank_key(path: ReasoningPath | Candidate, aggregation: str) -> tuple[float, 
 
 
 def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], config: SearchConfig,
-                 tracker: SearchContext, error: str | None = None, extra: dict[str, Any] | None = None
-                 ) -> SearchResult:
+                 tracker: SearchContext, error: str | None = None, extra: dict[str, Any] | None = None,
+                 finish_reason: str | None = None) -> SearchResult:
     """The result record: candidates with aggregated scores, best first (ties by text, so the record and the
-    selection's tie-breaks do not depend on which request finished first), the selected answer, counts."""
+    selection's tie-breaks do not depend on which request finished first), the selected answer, counts. Its
+    `finish_reason` is why the search stopped early when it did (the program answered after the stop), else
+    "complete"."""
     from sgl_tts.search.selection import select
 
     end = tracker.elapsed()
@@ -350,7 +399,30 @@ def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], 
         cached_tokens=tracker.cached_tokens, generator_time_s=tracker.generator_time_s,
         verifier_time_s=tracker.verifier_time_s, total_time_s=end, iterations=tracker.iterations,
         verifier_calls=tracker.verifier_calls, error=error, extra=extra,
+        finish_reason=finish_reason or tracker.stopped or COMPLETE,
     )
+
+
+def stopped_result(problem_id: str, program: str, config: SearchConfig, tracker: SearchContext, reason: str,
+                   finished: Sequence[ReasoningPath] = ()) -> SearchResult:
+    """The answer of a search that stopped early for `reason` (SearchStopped), from the paths it has seen: the
+    ones that ended (`finished`, the context's) and the live ones `expand` last held. A settled search answers
+    with the settled vote (majority of the ended paths' answers); a budget's stop with the best ended path
+    (`rank_key`), else the best live one and the last number it wrote (`answer_at_end`). The candidates are all
+    these paths, the live ones "unfinished"; `finish_reason` is `reason`."""
+    from sgl_tts.search.selection import select
+
+    paths = list({id(path): path for path in [*finished, *tracker.finished_paths, *tracker.frontier]}.values())
+    result = build_result(problem_id, program, paths, config, tracker, finish_reason=reason)
+    ended = sorted((p for p in paths if not p.active), key=lambda p: rank_key(p, config.aggregation))
+    live = sorted((p for p in paths if p.active), key=lambda p: rank_key(p, config.aggregation))
+    if reason == SETTLED:
+        answer = select("majority", [p.answer for p in ended], [1.0] * len(ended))
+    elif ended:
+        answer = ended[0].answer
+    else:
+        answer = answer_at_end(live[0].text, extract_answer) if live else None
+    return dataclasses.replace(result, answer=answer)
 
 
 class SearchError(RuntimeError):
@@ -397,6 +469,10 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
                                 finished=finished, backend=runtimes.generator, **arguments)
     except RUNTIME_FAILURES as exc:
         raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
+    except SearchStopped as stop:
+        return stopped_result(problem.id, name, config, tracker, stop.reason, finished)
+    finally:
+        tracker.close()
     return build_result(problem.id, name, state.ret_value, config, tracker)
 
 

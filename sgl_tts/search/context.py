@@ -3,7 +3,8 @@
 A search is started by `Runtimes.new_search` (the one place a context is made) and its context is handed to the
 program and to `expand`. Everything that belongs to that one search lives here and nowhere else: its label
 (lineage run id prefix), seed, request ledger, step extension (FastTTS S), observers, cancellation and the
-requests in flight, and its own timing, counts and search tree. The runtimes (`Runtimes`) and the endpoints
+requests in flight, its budget and stopping rules (`sgl_tts.search.budget`, `sgl_tts.search.stopping`), and its
+own timing (on its `clock`), counts, search tree and the paths it has seen end. The runtimes (`Runtimes`) and the endpoints
 beneath them are shared by every search and hold no per-search state.
 
 How a request finds its search: SGLang's interpreter runs each program state on a worker thread started in a
@@ -14,6 +15,11 @@ state (`sgl_tts.frontend.sglang_internals.search_of`), as SGLang keeps per-progr
 A context made while another search is bound in its thread (a program that makes its own state inside the run
 its caller bound, `sgl_tts.search.programs.load_program`) runs inside that search, its `outer`: the two share one
 ledger, and every request the inner one sends is in flight, observed and cancelled in the outer one as well.
+
+A search stops early when its budget is spent (`search.budget`) or its answer has settled (`search.stopping`):
+from then on every request is refused with `SearchStopped`, the requests in flight are aborted (`on_stop`,
+given by `Runtimes.new_search`), and the program's runner turns the refusal into the search's answer from the
+paths it has seen (`sgl_tts.search.api.stopped_result`): no program has code of its own for it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from typing import Any, Callable, Sequence
 
 from sgl_tts.frontend.ledger import Request, RequestLedger
 from sgl_tts.frontend.sglang_internals import running_search, searching
-from sgl_tts.scoring.base import ScoredPaths, StepScorer
+from sgl_tts.scoring.base import ScoredPaths, StepScorer, aggregate
+from sgl_tts.search.budget import Budget, Narrowing
+from sgl_tts.search.grading import normalize_answer
+from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, SettledAnswerRule, Stopping, TraceConfidenceRule
 from sgl_tts.search.tree import SearchTree
 
 
@@ -32,18 +41,31 @@ class SearchCancelled(RuntimeError):
     """The search was cancelled (its client left); raised by its next generator request."""
 
 
+class SearchStopped(RuntimeError):
+    """The search stopped early (`reason`: "deadline", "token_budget", "settled"); raised by its next request
+    and caught by the program's runner, which answers with the paths seen so far. Never reaches the user."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the search stopped: {reason}")
+        self.reason = reason
+
+
 class SearchContext:
     """One search's state (see the module docstring).
 
     Token counts come from the ledger (every request the search sent, from the server's meta_info) unless the
     program counts by hand with `record` (RSD, whose step cache replays work without requests). `outer`: the search
-    this one runs inside (see the module docstring), None for a search of its own.
+    this one runs inside (see the module docstring), None for a search of its own. `clock` is the search's time
+    (seconds, monotonic; a fake one in tests); `on_stop(context)` is called once when the search stops early, to
+    abort its requests in flight.
     """
 
     def __init__(self, config: Any, label: str = "search", seed: int | None = None,
                  extension_factory: Callable[["SearchContext"], Any] | None = None,
                  observers: Sequence[Callable[[Request], None]] = (),
-                 scoring_observers: Sequence[Callable[[list[list[float]]], None]] = ()):
+                 scoring_observers: Sequence[Callable[[list[list[float]]], None]] = (),
+                 clock: Callable[[], float] = time.monotonic,
+                 on_stop: Callable[["SearchContext"], None] | None = None):
         self.config = config
         self.label = label
         self.seed = seed
@@ -56,8 +78,20 @@ class SearchContext:
         self._cancelled = False
         self._in_flight: dict[str, int] = {}  # rid -> requests in flight with it
         self.aborted_requests = 0  # requests answered with finish_reason 'abort'
+        self.clock = clock
+        self.on_stop = on_stop
+        self.budget: Budget = getattr(config, "budget", None) or Budget()
+        self.stopping: Stopping = getattr(config, "stopping", None) or Stopping()
+        self.stop_reason: str | None = None  # why the search stopped early, once it has
+        self.confidence_rule = (TraceConfidenceRule(self.stopping.window, self.stopping.keep_fraction,
+                                                    self.stopping.warmup) if self.stopping.confidence else None)
+        self.settled_rule = (SettledAnswerRule(self.stopping.consensus, self.stopping.min_answers)
+                             if self.stopping.settled else None)
+        self.finished_paths: list[Any] = []  # every path that ended (`sgl_tts.search.api.finish`)
+        self.frontier: list[Any] = []  # the live paths `expand` last held (its parents while it runs)
+        self._answers: list[str] = []  # the normalised answers of the ended paths, for the settled rule
         # timing and counts of the search itself
-        self.start = time.monotonic()
+        self.start = clock()
         self.generator_time_s = 0.0
         self.verifier_time_s = 0.0
         self.iterations = 0
@@ -66,6 +100,11 @@ class SearchContext:
         self.extra: dict[str, Any] = {}  # program-specific counts for the result's `extra`
         self._hand_counts: list[int] | None = None  # [generated, prompt, cached] once `record` was called
         self.extension = extension_factory(self) if extension_factory is not None else None
+        self._timer = None
+        if self.budget.deadline_s is not None:  # the deadline stops requests in flight, not only the next one
+            self._timer = threading.Timer(self.budget.deadline_s, self.check_budget)
+            self._timer.daemon = True
+            self._timer.start()
 
     # -- binding ------------------------------------------------------------------------------------------
 
@@ -76,11 +115,13 @@ class SearchContext:
     # -- requests (called by the endpoint beneath the DSL) -------------------------------------------------
 
     def request_sent(self, rid: str) -> None:
-        """A request with lineage id `rid` is about to be sent; refused once the search is cancelled."""
+        """A request with lineage id `rid` is about to be sent; refused once the search is cancelled or stopped."""
         if self.outer is not None:
             self.outer.request_sent(rid)
+        self.check_budget()
         with self._changed:
             self._refuse_if_cancelled()
+            self._refuse_if_stopped()
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
 
     def request_done(self, rid: str) -> None:
@@ -110,6 +151,7 @@ class SearchContext:
             observer(request)
         if self.outer is not None:
             self.outer._heard(request, meta)
+        self.check_budget()  # an answer past the budget stops the search; the answer itself is kept
         with self._changed:
             self._refuse_if_cancelled()
 
@@ -144,10 +186,83 @@ class SearchContext:
         if self._cancelled:
             raise SearchCancelled(f"search {self.label} was cancelled")
 
+    # -- stopping early -----------------------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> str | None:
+        """Why this search (or the one it runs inside) stopped early; None while it runs."""
+        return self.stop_reason or (self.outer.stopped if self.outer is not None else None)
+
+    def stop(self, reason: str) -> list[str]:
+        """Stop the search early (refuse new requests) for `reason`; returns the rids in flight. The first stop
+        calls `on_stop` (which aborts them)."""
+        with self._changed:
+            first = self.stop_reason is None
+            if first:
+                self.stop_reason = reason
+            rids = sorted(self._in_flight)
+        if first:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self.on_stop is not None:
+                self.on_stop(self)
+        return rids
+
+    def check_budget(self) -> str | None:
+        """Stop the search once its budget is spent; why it stopped, or None."""
+        if self.stop_reason is None:
+            reason = self.budget.exhausted(self.elapsed(), self.generated_tokens)
+            if reason is not None:
+                self.stop(reason)
+        return self.stopped
+
+    def _refuse_if_stopped(self) -> None:
+        if self.stop_reason is not None:
+            raise SearchStopped(self.stop_reason)
+
+    def refuse_if_stopped(self) -> None:
+        """Raise SearchStopped when this search, or the one it runs inside, has stopped."""
+        reason = self.stopped
+        if reason is not None:
+            raise SearchStopped(reason)
+
+    @property
+    def narrowing(self) -> bool:
+        """Whether the budget's slack is below its threshold (`Budget.narrowing`): the search narrows."""
+        return self.budget.narrowing(self.elapsed(), self.generated_tokens)
+
+    def path_finished(self, path: Any) -> None:
+        """A path ended (`sgl_tts.search.api.finish`): kept for an early answer, heard by the stopping rules (a
+        path they stopped is not): its confidence may warm the confidence rule up, its answer settle the vote."""
+        with self._changed:
+            self.finished_paths.append(path)
+        if path.finish_reason == LOW_CONFIDENCE:
+            return
+        confidences = path.extra.get("token_confidences")
+        if self.confidence_rule is not None and confidences:
+            self.confidence_rule.warm_up(self.confidence_rule.confidence(confidences))
+        if self.settled_rule is not None and path.answer is not None:
+            with self._changed:
+                self._answers.append(normalize_answer(path.answer))
+                answers = list(self._answers)
+            if self.settled_rule.settled(answers, [1.0] * len(answers), remaining=1):
+                self.stop(SETTLED)
+
+    def unsure(self, path: Any) -> bool:
+        """Whether the confidence rule stops the live `path` (its confidence so far is below the threshold)."""
+        confidences = path.extra.get("token_confidences")
+        return (self.confidence_rule is not None and bool(confidences)
+                and self.confidence_rule.should_stop(self.confidence_rule.confidence(confidences)))
+
+    def close(self) -> None:
+        """The search has ended: its deadline timer goes."""
+        if self._timer is not None:
+            self._timer.cancel()
+
     # -- timing and counts --------------------------------------------------------------------------------
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.start
+        return self.clock() - self.start
 
     def record(self, tokens: int, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
         """Count work by hand (in the outer search too); from then on the search's token counts are these, not
@@ -181,12 +296,21 @@ class SearchContext:
             self.outer.scored(scores)
 
     def score(self, scorer: StepScorer, prompt: str, paths: Sequence[Any]) -> ScoredPaths | None:
-        """Score every step of `paths` in one batched scorer call; writes each path's `step_scores`."""
+        """Score every step of `paths` in one batched scorer call; writes each path's `step_scores`. Refused
+        (SearchStopped) once the search has stopped. While the search narrows (`narrowing`) the call scores at
+        most `Narrowing.verifier_batch` of the paths, those ranked best by their current scores (ties by text);
+        the others keep the scores they had (their new steps unscored)."""
+        self.refuse_if_stopped()
         if not paths:
             return None
-        began = time.monotonic()
+        if self.narrowing and len(paths) > 1:
+            aggregation = getattr(self.config, "aggregation", "last")
+            ranked = sorted(paths, key=lambda p: (-aggregate(p.step_scores, aggregation), "".join(p.steps)))
+            paths = ranked[:Narrowing.verifier_batch(len(paths))]
+            self.extra["narrowed_verifier_calls"] = self.extra.get("narrowed_verifier_calls", 0) + 1
+        began = self.clock()
         scored = scorer.score_counted(prompt, [p.steps for p in paths])
-        seconds = time.monotonic() - began
+        seconds = self.clock() - began
         self.verifier_time_s += seconds
         self.verifier_calls += 1
         # per verification: paths, steps scored, the verifier's input and radix-cached tokens, its time

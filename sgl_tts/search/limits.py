@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# SearchConfig field -> the Limits field that bounds it from above.
+# SearchConfig field (dotted: a field of a nested section) -> the Limits field that bounds it from above.
 SEARCH_BOUNDS = {"n": "n", "beam_width": "n", "max_steps": "max_steps", "max_tokens": "max_tokens",
-                 "max_step_tokens": "max_step_tokens", "lookahead": "lookahead", "granularity": "granularity"}
+                 "max_step_tokens": "max_step_tokens", "lookahead": "lookahead", "granularity": "granularity",
+                 "budget.deadline_s": "deadline_s", "budget.max_tokens": "search_tokens"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Limits:
     max_step_tokens: int = 4096
     lookahead: int = 8
     granularity: int = 64
+    deadline_s: float = 3600.0  # search.budget.deadline_s
+    search_tokens: int = 4_194_304  # search.budget.max_tokens: generated tokens of one whole search
     # A served request (sgl-tts serve).
     body_bytes: int = 1 << 20  # past it: 413, before the body is parsed
     messages: int = 64
@@ -40,7 +43,7 @@ class Limits:
 class LimitError(ValueError):
     """A value above its limit; `field` names it (as the request or the config file spells it)."""
 
-    def __init__(self, field: str, value: object, limit: int, limit_name: str):
+    def __init__(self, field: str, value: object, limit: float, limit_name: str):
         super().__init__(f"'{field}' is {value}, above the limit {limit} (limits.{limit_name})")
         self.field = field
 
@@ -49,6 +52,8 @@ def check_limits(search: object, limits: Limits, prefix: str = "") -> None:
     """Raise LimitError for the first field of the search config `search` above `limits`; the field is named
     `prefix` + its name (`search.n` in a run config, `n` in a request)."""
     for field, limit_name in SEARCH_BOUNDS.items():
-        value, limit = getattr(search, field), getattr(limits, limit_name)
-        if value > limit:
+        value, limit = search, getattr(limits, limit_name)
+        for name in field.split("."):
+            value = getattr(value, name)
+        if value is not None and value > limit:
             raise LimitError(prefix + field, value, limit, limit_name)

@@ -113,11 +113,24 @@ def _without_context(run: Callable[..., object], problem: object, config: object
 def _run_in_search(run: Callable[..., Any], name: str, problem: object, config: object, runtimes: object,
                    context: Any = None, **arguments: object) -> Any:
     """`run` with the search `context` bound around it and its result given the search's counts (`accounted`);
-    without a context the program starts its own search."""
-    if context is None:
+    without a context the program starts its own search, unless the config has a budget or a stopping rule (then
+    the search is started here, so that its early stop is answered here). A search that stops early
+    (SearchStopped, `sgl_tts.search.context`) answers with the paths it has seen (`stopped_result`)."""
+    from sgl_tts.search.api import stopped_result
+    from sgl_tts.search.context import SearchStopped
+
+    stops_early = config.budget.active or config.stopping.rule != "none"
+    if context is None and not stops_early:
         return run(problem, config, runtimes, **arguments)
-    with context.running():
-        result = run(problem, config, runtimes, context, **arguments)
+    if context is None:
+        context = runtimes.new_search(config, problem.id)
+    try:
+        with context.running():
+            result = run(problem, config, runtimes, context, **arguments)
+    except SearchStopped as stop:
+        result = stopped_result(problem.id, name, config, context, stop.reason)
+    finally:
+        context.close()
     return accounted(result, context, name)
 
 

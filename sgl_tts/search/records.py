@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+COMPLETE = "complete"  # SearchResult.finish_reason of a search that ran to its end
+
+
 
 @dataclass
 class Candidate:
@@ -47,6 +50,9 @@ class SearchResult:
     iterations: int = 0
     verifier_calls: int = 0
     error: str | None = None  # set when the search stopped early; finished candidates are kept
+    # how the search ended: "complete"; "deadline" or "token_budget" (its budget, sgl_tts.search.budget) or
+    # "settled" (the settled-answer rule, sgl_tts.search.stopping) when it stopped early and answered
+    finish_reason: str = COMPLETE
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -8,8 +8,14 @@ search grows its paths from the generation prompt after it. A message of another
 a 400 naming it. The search settings (`n`, `beam_width`, `max_tokens`, `temperature`, `seed`, ... every
 `SearchConfig` field but `program`) ride in the body beside the OpenAI fields; `max_completion_tokens` is
 `max_tokens`; `stop` is refused (a search stops at its step delimiter and its answer). `n` is the search's n:
-the reply has one choice.
-Reply: the message is the selected solution; `usage` counts the whole search (every path's generated
+the reply has one choice. `budget` ({"deadline_s": 5, "max_tokens": 2000}, `sgl_tts.search.budget.Budget`) is
+the whole search's deadline from the request's arrival and its generated-token budget, each at most the
+operator's limit (`limits.deadline_s`, `limits.search_tokens`); `stopping` the stopping rules
+(`sgl_tts.search.stopping.Stopping`). Only the keys given change the server's defaults.
+Reply: the message is the selected solution; the choice's `finish_reason` is "stop", "length" (the selected
+path hit its `max_tokens`, or the search its token budget) or "deadline" (the search's deadline stopped it and
+it answered with what it had; not one of OpenAI's values); `sgl_tts.finish_reason` is the search's own
+(`SearchResult.finish_reason`: complete, deadline, token_budget, settled); `usage` counts the whole search (every path's generated
 tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field carries the candidates
 with their step scores, and the timings.
 """
@@ -23,6 +29,7 @@ from typing import Any
 
 from sgl_tts.frontend.backend import SYSTEM_PROMPT, Chat, Turn
 from sgl_tts.search.api import SearchConfig
+from sgl_tts.search.budget import DEADLINE, TOKEN_BUDGET
 from sgl_tts.search.limits import Limits
 from sgl_tts.search.records import SearchResult
 
@@ -159,10 +166,14 @@ def extension(result: SearchResult, search: SearchConfig) -> dict[str, Any]:
         "verifier_calls": result.verifier_calls,
         "cache_hit_rate": result.cache_hit_rate,
         "error": result.error,
+        "finish_reason": result.finish_reason,
     }
 
 
 def _finish_reason(result: SearchResult) -> str:
+    """The choice's finish_reason (the module docstring)."""
+    if result.finish_reason in (DEADLINE, TOKEN_BUDGET):
+        return "deadline" if result.finish_reason == DEADLINE else "length"
     chosen = selected_candidate(result)
     return "length" if chosen is not None and chosen.finish_reason == "max_tokens" else "stop"
 

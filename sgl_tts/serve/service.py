@@ -136,8 +136,9 @@ class SearchService:
         if program != self.default_search.program:
             defaults["settings"] = None  # the server's program settings are not this program's
         merged = {**defaults, **settings, "program": program}
-        if isinstance(defaults["settings"], dict) and isinstance(settings.get("settings"), dict):
-            merged["settings"] = {**defaults["settings"], **settings["settings"]}  # only the named keys change
+        for section in ("settings", "budget", "stopping"):  # only the named keys of a section change
+            if isinstance(defaults[section], dict) and isinstance(settings.get(section), dict):
+                merged[section] = {**defaults[section], **settings[section]}
         search = with_program_settings(load_dataclass(SearchConfig, merged, source="request"), "request", "settings")
         try:
             check_limits(search, self.limits)

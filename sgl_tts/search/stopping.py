@@ -1,0 +1,102 @@
+"""Stopping rules beneath every step program (`search.stopping`), and the small rule classes they are made of.
+
+Two rules, each a small class of numbers and answers (no paths, no requests), used by the search context and
+`expand` (sgl_tts/search/context.py, sgl_tts/search/api.py) for any program, and by programs/deepconf.py:
+
+- `TraceConfidenceRule` (DeepConf, Fu et al. 2025): a path's confidence is its lowest sliding-window group
+  confidence (`lowest_group_confidence`); the first `warmup` paths that end set the threshold s, the
+  (1 − keep_fraction) quantile of their confidences (`OnlineThreshold.from_warmup`); from then on a live path
+  whose confidence falls below s is stopped: it gets no further request and ends "low_confidence". It needs
+  the tokens' top logprobs, which `expand` then asks for (`Stopping.logprobs`).
+- `SettledAnswerRule` (certaindex / Dynasor-style early exit): once at least `min_answers` paths have ended with
+  an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each), the search stops
+  sending and answers with that answer (`SearchResult.finish_reason` "settled").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from sgl_tts.config import FieldValueError
+from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
+
+RULES = ("none", "confidence", "settled", "both")
+LOW_CONFIDENCE, SETTLED = "low_confidence", "settled"  # a path's finish reason, a search's finish reason
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """`search.stopping`: which rules stop paths and the search, and their thresholds."""
+
+    rule: Literal["none", "confidence", "settled", "both"] = "none"
+    top_k: int = 5  # confidence: logprobs per token in the token confidence
+    window: int = 32  # confidence: tokens per group
+    keep_fraction: float = 0.9  # confidence: η, the share of warm-up paths above the threshold
+    warmup: int = 4  # confidence: ended paths that set the threshold
+    consensus: float = 0.6  # settled: the leading answer's share of the answers
+    min_answers: int = 2  # settled: answers before the vote may settle
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise FieldValueError("rule", f"stopping.rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        for name in ("top_k", "window", "warmup", "min_answers"):
+            if getattr(self, name) < 1:
+                raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("keep_fraction", "consensus"):
+            if not 0 < getattr(self, name) <= 1:
+                raise FieldValueError(name, f"stopping.{name} must be in (0, 1], got {getattr(self, name)}")
+
+    @property
+    def confidence(self) -> bool:
+        return self.rule in ("confidence", "both")
+
+    @property
+    def settled(self) -> bool:
+        return self.rule in ("settled", "both")
+
+    @property
+    def logprobs(self) -> int:
+        """Top logprobs a step request needs for these rules (0: none)."""
+        return self.top_k if self.confidence else 0
+
+
+class TraceConfidenceRule:
+    """DeepConf's online stop: the threshold from the first `warmup` confidences heard (`warm_up`), then
+    `should_stop(c)` when c < s. Before the threshold is set nothing stops."""
+
+    def __init__(self, window: int, keep_fraction: float, warmup: int):
+        self.window = window
+        self.keep_fraction = keep_fraction
+        self.warmup = warmup
+        self.warmup_confidences: list[float] = []
+        self.threshold: OnlineThreshold | None = None
+
+    def confidence(self, token_confidences: Sequence[float]) -> float:
+        """A path's confidence: min_G C_G over its tokens so far."""
+        return lowest_group_confidence(token_confidences, self.window)
+
+    def warm_up(self, confidence: float) -> None:
+        """Hear an ended warm-up path's confidence; the `warmup`-th sets the threshold (later ones are ignored)."""
+        if self.threshold is None:
+            self.warmup_confidences.append(confidence)
+            if len(self.warmup_confidences) >= self.warmup:
+                self.threshold = OnlineThreshold.from_warmup(self.warmup_confidences, self.keep_fraction)
+
+    def should_stop(self, confidence: float) -> bool:
+        return self.threshold is not None and self.threshold.should_stop(confidence)
+
+
+@dataclass(frozen=True)
+class SettledAnswerRule:
+    """The vote is settled: no path remains, or at least `min_answers` answers are cast and the leader holds
+    `consensus` of the weight (`vote_settled`)."""
+
+    consensus: float
+    min_answers: int = 1
+
+    def settled(self, answers: Sequence[str | None], weights: Sequence[float], remaining: int) -> bool:
+        cast = sum(answer is not None for answer in answers)
+        if remaining > 0 and cast < self.min_answers:
+            return False
+        return vote_settled(answers, weights, remaining_traces=remaining, consensus=self.consensus)

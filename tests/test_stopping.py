@@ -1,0 +1,123 @@
+"""Stopping beneath every step program (sgl_tts/search/stopping.py): the trace-confidence and settled-answer
+rules as classes, applied by a setting to programs with no code of their own for it (beam_search, dvts,
+best_of_n), and programs/deepconf.py deciding with the same classes. Scripted backend."""
+
+import dataclasses
+
+import pytest
+
+from sgl_tts.problems import Problem
+from sgl_tts.search.api import Runtimes, SearchConfig
+from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
+from sgl_tts.search.programs import load_program
+from sgl_tts.search.stopping import SettledAnswerRule, Stopping, TraceConfidenceRule
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+
+PROMPT = "Q: what is two plus two?\n\n"
+PROBLEM = Problem(id="p1", question="what is two plus two?", gold="0")
+
+
+def run(program, config, model=None):
+    backend, scorer = ScriptedBackend(model or ScriptedModel()), ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
+    context = runtimes.new_search(config, PROBLEM.id)
+    return load_program(program)(PROBLEM, config, runtimes, context), backend, scorer, context
+
+
+def test_the_confidence_rule_stops_nothing_before_its_warmup_then_below_the_threshold():
+    rule = TraceConfidenceRule(window=2, keep_fraction=0.5, warmup=3)
+    assert rule.confidence([3.0, 1.0, 2.0, 4.0]) == pytest.approx(1.5)
+    rule.warm_up(1.0)
+    rule.warm_up(3.0)
+    assert rule.threshold is None and not rule.should_stop(-100.0), "no threshold before the warm-up ends"
+    rule.warm_up(2.0)
+    assert rule.threshold == OnlineThreshold.from_warmup([1.0, 3.0, 2.0], 0.5)
+    rule.warm_up(-50.0)  # past the warm-up: ignored
+    assert rule.threshold.threshold == pytest.approx(2.0)
+    assert rule.should_stop(1.99) and not rule.should_stop(2.0)
+
+
+def test_the_settled_rule_waits_for_its_answers_then_asks_for_the_consensus():
+    rule = SettledAnswerRule(consensus=0.6, min_answers=2)
+    assert not rule.settled(["7"], [1.0], remaining=3), "one answer is not enough"
+    assert rule.settled(["7", "7"], [1.0, 1.0], remaining=3)
+    assert not rule.settled(["7", "8"], [1.0, 1.0], remaining=3)
+    assert rule.settled(["7", "8", "7"], [1.0] * 3, remaining=3)
+    assert rule.settled([], [], remaining=0), "nothing left to wait for"
+    single = SettledAnswerRule(consensus=0.6)
+    for answers, weights, remaining in [(["a", "b"], [0.7, 0.3], 2), (["a", None], [0.0, 1.0], 1), ([], [], 1)]:
+        assert single.settled(answers, weights, remaining) == vote_settled(answers, weights, remaining, 0.6)
+
+
+def test_stopping_settings_name_the_field():
+    with pytest.raises(ValueError, match="stopping.consensus"):
+        Stopping(consensus=1.5)
+    with pytest.raises(ValueError, match="stopping.warmup"):
+        Stopping(warmup=0)
+    assert Stopping().logprobs == 0 and Stopping(rule="both", top_k=3).logprobs == 3
+
+
+AGREEING = ScriptedModel(answers=1)  # every answer is 0
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts", "best_of_n"])
+def test_a_program_with_no_code_for_it_stops_once_its_answer_settles(program):
+    base = SearchConfig(program=program, n=8, beam_width=2, max_steps=8, max_tokens=10_000)
+    plain, plain_backend, plain_scorer, _ = run(program, base, AGREEING)
+    settled, backend, scorer, _ = run(program, dataclasses.replace(
+        base, stopping=Stopping(rule="settled", consensus=0.6, min_answers=2)), AGREEING)
+    assert plain.finish_reason == "complete" and settled.finish_reason == "settled"
+    assert settled.answer == "0" and settled.error is None
+    assert sum(c.answer is not None for c in settled.candidates) >= 2
+    if program == "best_of_n":  # one whole sample each: sent at once, the verifier is what is saved
+        assert plain_scorer.calls and not scorer.calls
+    else:
+        assert len(backend.requests) < len(plain_backend.requests)
+
+
+def test_the_settled_rule_does_not_stop_a_search_whose_answers_never_reach_its_count():
+    base = SearchConfig(n=4, beam_width=2, max_steps=6, max_tokens=10_000)
+    plain, _, _, _ = run("beam_search", base)
+    unsettled, _, _, _ = run("beam_search", dataclasses.replace(base, stopping=Stopping(rule="settled",
+                                                                                          min_answers=100)))
+    assert unsettled.finish_reason == "complete"
+    assert [c.text for c in unsettled.candidates] == [c.text for c in plain.candidates]
+
+
+def test_the_confidence_rule_stops_the_unsure_paths_of_a_beam_search():
+    stopping = Stopping(rule="confidence", top_k=3, window=4, keep_fraction=0.5, warmup=2)
+    config = SearchConfig(n=8, beam_width=2, max_steps=8, max_tokens=10_000, stopping=stopping)
+    result, _, _, context = run("beam_search", config)
+    threshold = context.confidence_rule.threshold.threshold
+    confidence = {id(c): lowest_group_confidence(c.extra["token_confidences"], 4) for c in result.candidates}
+    stopped = [c for c in result.candidates if c.finish_reason == "low_confidence"]
+    assert stopped, "some path fell below the threshold"
+    assert all(confidence[id(c)] < threshold for c in stopped)
+    assert all(len(c.steps) < config.max_steps for c in stopped), "stopped before their end"
+    warmup = context.confidence_rule.warmup_confidences
+    assert threshold == OnlineThreshold.from_warmup(warmup, 0.5).threshold and len(warmup) == 2
+    plain, _, _, _ = run("beam_search", dataclasses.replace(config, stopping=Stopping()))
+    assert not any(c.finish_reason == "low_confidence" for c in plain.candidates)
+    assert all("token_confidences" not in c.extra for c in plain.candidates), "no logprobs without the rule"
+
+
+def test_deepconf_decides_with_the_same_rule_objects(monkeypatch):
+    from programs import deepconf
+
+    settings = deepconf.Settings(window=8, keep_fraction=0.5, warmup=4, consensus=1.0, check_tokens=None)
+    config = SearchConfig(program="deepconf", n=12, max_steps=8, max_step_tokens=16, max_tokens=200,
+                          settings=settings)
+    result, _, _, _ = run("deepconf", config)
+    report = result.extra["deepconf"]
+    confidences = report["confidences"]
+    replay = TraceConfidenceRule(settings.window, settings.keep_fraction, settings.warmup)
+    for confidence in confidences[:settings.warmup]:
+        replay.warm_up(confidence)
+    assert report["threshold"] == replay.threshold.threshold
+    online = range(settings.warmup, len(confidences))
+    assert report["stopped"] == [i for i in online if replay.should_stop(confidences[i])]
+    assert report["stopped"], "the replay decides something"
+    # the program's decisions are the class's: a rule that never stops stops no trace there either
+    monkeypatch.setattr(TraceConfidenceRule, "should_stop", lambda self, confidence: False)
+    unstopped, _, _, _ = run("deepconf", config)
+    assert unstopped.extra["deepconf"]["stopped"] == []
