@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from sgl_tts.runtime.server import WATCHDOG_GRACE_S, group_members, http_json
+from sgl_tts.runtime.server import CPU_LAUNCHER, SGLANG_LAUNCHER, WATCHDOG_GRACE_S, group_members, http_json
 from sgl_tts.search.api import Runtimes
 from sgl_tts.serve.app import create_app
 from sgl_tts.serve.main import HTTPServer, ShutdownBounds, shut_down, shutdown_signals, wait_for_signal
@@ -317,7 +317,9 @@ def test_a_sigkill_of_the_owners_group_while_the_runtimes_start_leaves_no_sglang
         assert serve.process.poll() is None, f"serve exited: {serve.stderr.read_text()[-3000:]}"
         for process in psutil.Process(serve.process.pid).children():
             try:
-                if "sglang" in " ".join(process.cmdline()) and len(group_members(process.pid)) >= 2:
+                command = " ".join(process.cmdline())
+                if any(module in command for module in (CPU_LAUNCHER, SGLANG_LAUNCHER)) \
+                        and len(group_members(process.pid)) >= 2:
                     return process.pid
             except psutil.NoSuchProcess:
                 pass

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from sgl_tts.runtime.server import CPU_CONTINUOUS_DECODE_STEPS, RuntimeConfig, server_command
+from sgl_tts.runtime.server import CPU_CONTINUOUS_DECODE_STEPS, CPU_LAUNCHER, RuntimeConfig, server_command
 
 
 def flag_values(cmd, flag):
@@ -31,3 +31,19 @@ def test_extra_args_come_last_so_they_override_the_defaults():
     parser.add_argument("--num-continuous-decode-steps", type=int)
     known, _ = parser.parse_known_args(cmd[3:])
     assert known.num_continuous_decode_steps == 8
+
+
+def test_a_cpu_runtime_is_launched_with_forked_children_and_a_cuda_one_by_sglang():
+    assert server_command(RuntimeConfig(device="cpu"), "/m", 1)[1:3] == ["-m", CPU_LAUNCHER] == ["-m", "sgl_tts.runtime.launch"]
+    assert server_command(RuntimeConfig(device="cuda"), "/m", 1)[1:3] == ["-m", "sglang.launch_server"]
+
+
+def test_the_launcher_turns_every_start_method_into_fork():
+    from sgl_tts.runtime.launch import fork_children
+
+    calls = []
+    forked = fork_children(lambda method, force=False: calls.append((method, force)))
+    forked("spawn", force=True)
+    forked("forkserver")
+    forked(None, force=True)  # None resets the context: kept
+    assert calls == [("fork", True), ("fork", False), (None, True)]
