@@ -37,6 +37,12 @@ def aggregate(step_scores: Sequence[float], strategy: str) -> float:
     return AGGREGATIONS[strategy](step_scores) if step_scores else 0.0
 
 
+def rank_key(path: Any, aggregation: str) -> tuple[float, str]:
+    """Sort key of a scored path (anything with `step_scores` and `steps`): higher aggregated score first, then
+    the path text (deterministic ties)."""
+    return (-aggregate(path.step_scores, aggregation), "".join(path.steps))
+
+
 class ScorerError(RuntimeError):
     """The scorer's runtime failed; the message names the runtime."""
 

@@ -17,7 +17,7 @@ import sglang as sgl
 from sgl_tts.frontend.backend import GeneratorError
 from sgl_tts.frontend.sglang_internals import bind_search, make_executor_finalizer_lock_free, wait_meta
 from sgl_tts.runtime.server import RuntimeDiedError
-from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate
+from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregate, rank_key
 from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.confidence import token_confidence
 from sgl_tts.search.context import SearchContext, SearchStopped
@@ -359,12 +359,6 @@ def split_steps(text: str, delimiter: str, max_steps: int) -> list[str]:
     if len(pieces) > max_steps:
         pieces = pieces[: max_steps - 1] + ["".join(pieces[max_steps - 1:])]
     return pieces
-
-
-def rank_key(path: ReasoningPath | Candidate, aggregation: str) -> tuple[float, str]:
-    """Sort key: higher aggregated score first, then the path text (deterministic ties)."""
-    scores = path.step_scores
-    return (-aggregate(scores, aggregation), "".join(path.steps))
 
 
 def build_result(problem_id: str, program: str, paths: Sequence[ReasoningPath], config: SearchConfig,

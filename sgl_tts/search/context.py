@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from sgl_tts.frontend.ledger import Request, RequestLedger
 from sgl_tts.frontend.sglang_internals import running_search, searching
-from sgl_tts.scoring.base import ScoredPaths, StepScorer, aggregate
+from sgl_tts.scoring.base import ScoredPaths, StepScorer, rank_key
 from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.grading import normalize_answer
 from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, SettledAnswerRule, Stopping, TraceConfidenceRule
@@ -121,7 +121,7 @@ class SearchContext:
         self.check_budget()
         with self._changed:
             self._refuse_if_cancelled()
-            self._refuse_if_stopped()
+            self.refuse_if_stopped()
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
 
     def request_done(self, rid: str) -> None:
@@ -216,10 +216,6 @@ class SearchContext:
                 self.stop(reason)
         return self.stopped
 
-    def _refuse_if_stopped(self) -> None:
-        if self.stop_reason is not None:
-            raise SearchStopped(self.stop_reason)
-
     def refuse_if_stopped(self) -> None:
         """Raise SearchStopped when this search, or the one it runs inside, has stopped."""
         reason = self.stopped
@@ -305,7 +301,7 @@ class SearchContext:
             return None
         if self.narrowing and len(paths) > 1:
             aggregation = getattr(self.config, "aggregation", "last")
-            ranked = sorted(paths, key=lambda p: (-aggregate(p.step_scores, aggregation), "".join(p.steps)))
+            ranked = sorted(paths, key=lambda p: rank_key(p, aggregation))
             paths = ranked[:Narrowing.verifier_batch(len(paths))]
             self.extra["narrowed_verifier_calls"] = self.extra.get("narrowed_verifier_calls", 0) + 1
         began = self.clock()
