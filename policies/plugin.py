@@ -1,6 +1,8 @@
 """SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
 batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
-policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed) and the step timing of
+policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the inverse-CDF sampling of policies/cpu_sampling.py
+($SGLTTS_CPU_SAMPLING=cdf), the search placement over data-parallel ranks of policies/search_placement.py
+($SGLTTS_DP_PLACEMENT=search) and the step timing of
 policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
 
 SGLang's scheduler process calls `load_plugins()`, which runs `register()` (entry point group
@@ -19,7 +21,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import cpu_attention, cpu_linear, idle_wait, make_policy, step_timing
+from policies import cpu_attention, cpu_linear, cpu_sampling, idle_wait, make_policy, search_placement, step_timing
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -72,14 +74,18 @@ def install(name: str, registry: Any, around: Any, trace_path: str | None = None
 def register() -> None:
     """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the batched CPU
     decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
-    (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, and the step timing (policies/step_timing.py) when
+    (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the inverse-CDF sampling (policies/cpu_sampling.py)
+    when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py) when
+    $SGLTTS_DP_PLACEMENT says so, and the step timing (policies/step_timing.py) when
     $SGLTTS_STEP_TRACE names a file."""
     name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
     attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
     linear = (env_names.read(env_names.CPU_LINEAR) or "").strip()
+    sampling = (env_names.read(env_names.CPU_SAMPLING) or "").strip()
+    placement = (env_names.read(env_names.DP_PLACEMENT) or "").strip()
     step_trace = env_names.read(env_names.STEP_TRACE)
     if name == FcfsOrder.name and attention != cpu_attention.BATCHED and linear != cpu_linear.PACKED \
-            and not step_trace:
+            and sampling != cpu_sampling.CDF and placement != search_placement.SEARCH and not step_trace:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -92,6 +98,12 @@ def register() -> None:
         HookRegistry.register(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, HookType.AROUND)
         HookRegistry.register(cpu_linear.LM_HEAD_TARGET, cpu_linear.lm_head_hook, HookType.AROUND)
         announce(f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and {cpu_linear.LM_HEAD_TARGET}")
+    if sampling == cpu_sampling.CDF:
+        HookRegistry.register(cpu_sampling.TARGET, cpu_sampling.sampling_hook, HookType.AROUND)
+        announce(f"inverse-CDF sampling installed on {cpu_sampling.TARGET}")
+    if placement == search_placement.SEARCH:
+        HookRegistry.register(search_placement.TARGET, search_placement.make_dispatch_hook(), HookType.AROUND)
+        announce(f"search placement installed on {search_placement.TARGET}")
     if step_trace:
         trace = StepTrace(step_trace)
         HookRegistry.register(step_timing.RUN_BATCH, trace.run_batch, HookType.AROUND)

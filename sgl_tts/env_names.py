@@ -23,12 +23,15 @@ POLICY = "SGLTTS_POLICY"  # the scheduler policy the plugin installs (policies/p
 POLICY_TRACE = "SGLTTS_POLICY_TRACE"  # a file the plugin appends each reordered queue to (tests)
 CPU_ATTENTION = "SGLTTS_CPU_ATTENTION"  # "batched": the plugin's batched decode attention (policies/cpu_attention.py)
 CPU_LINEAR = "SGLTTS_CPU_LINEAR"  # "packed": the plugin's oneDNN linear layers (policies/cpu_linear.py)
+DP_PLACEMENT = "SGLTTS_DP_PLACEMENT"  # "search": a search's requests on one data-parallel rank (policies/search_placement.py)
+CPU_SAMPLING = "SGLTTS_CPU_SAMPLING"  # "cdf": the plugin's inverse-CDF token sampling (policies/cpu_sampling.py)
 STEP_TRACE = "SGLTTS_STEP_TRACE"  # a file the plugin appends each scheduler step's timing to (policies/step_timing.py)
 EVAL_TAG = "SGLTTS_EVAL_TAG"  # tests: marks the processes an eval test starts, to find leftovers
 NOTEBOOK_MODEL = "SGLTTS_NOTEBOOK_MODEL"  # the model notebooks/quickstart.ipynb runs
 NOTEBOOK_TAG = "SGLTTS_NOTEBOOK_TAG"  # tests: marks the processes a notebook test starts
 
-NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, STEP_TRACE,
+NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_SAMPLING, DP_PLACEMENT,
+         STEP_TRACE,
          EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG)
 
 _warned: set[str] = set()  # old names already warned about in this process

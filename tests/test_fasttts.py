@@ -348,6 +348,21 @@ def test_data_parallel_ranks_share_the_kv_budget_and_name_their_cores():
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(RuntimeConfig())
 
 
+def test_a_multi_rank_cpu_runtime_places_whole_searches_on_its_ranks():
+    from policies import search_placement
+    from sgl_tts import env_names
+    from sgl_tts.runtime.server import RuntimeConfig, server_command, server_env
+
+    ranked = RuntimeConfig(data_parallel=2, cpu_threads=1)
+    command = server_command(ranked, "/model", 1234)
+    assert command[command.index("--load-balance-method") + 1] == "total_requests"  # the dispatcher the hook wraps
+    assert command[command.index("--load-snapshot-publish-interval") + 1] == "1"
+    assert server_env(ranked)[env_names.DP_PLACEMENT] == search_placement.SEARCH
+    single = RuntimeConfig()
+    assert "--load-balance-method" not in server_command(single, "/model", 1234)
+    assert env_names.DP_PLACEMENT not in server_env(single)
+
+
 def test_each_n_runs_at_a_fraction_of_its_working_set():
     from sgl_tts.bench.fasttts import cell_budget
 

@@ -157,15 +157,17 @@ def test_hook_through_sglangs_own_hook_registry():
 
 
 def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp_path):
-    import importlib as importer
+    import pkgutil
 
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
-    from policies import cpu_attention, cpu_linear, idle_wait, step_timing
+    from policies import cpu_attention, cpu_linear, cpu_sampling, idle_wait, search_placement, step_timing
 
     HookRegistry = registry_module.HookRegistry
     monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
     monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.BATCHED)
     monkeypatch.setenv(env_names.CPU_LINEAR, cpu_linear.PACKED)
+    monkeypatch.setenv(env_names.CPU_SAMPLING, cpu_sampling.CDF)
+    monkeypatch.setenv(env_names.DP_PLACEMENT, search_placement.SEARCH)
     monkeypatch.setenv(env_names.STEP_TRACE, str(tmp_path / "steps.jsonl"))
     HookRegistry.reset()
     try:
@@ -175,16 +177,17 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
         HookRegistry.reset()
     assert registered == {cpu_attention.TARGET: ["AROUND"], idle_wait.TARGET: ["REPLACE"],
                           cpu_linear.LINEAR_TARGET: ["AROUND"], cpu_linear.LM_HEAD_TARGET: ["AROUND"],
+                          cpu_sampling.TARGET: ["AROUND"], search_placement.TARGET: ["AROUND"],
                           step_timing.RUN_BATCH: ["AROUND"], step_timing.MODEL_FORWARD: ["AROUND"]}
-    for target in registered:  # every target is an attribute of the installed SGLang
-        module, cls, method = target.rsplit(".", 2)
-        assert callable(getattr(getattr(importer.import_module(module), cls), method)), target
+    for target in registered:  # every target is a function or method of the installed SGLang, found as SGLang does
+        assert callable(pkgutil.resolve_name(target)), target
 
 
 def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     HookRegistry = registry_module.HookRegistry
-    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.STEP_TRACE):
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
+                 env_names.DP_PLACEMENT, env_names.STEP_TRACE):
         monkeypatch.delenv(name, raising=False)
     HookRegistry.reset()
     try:

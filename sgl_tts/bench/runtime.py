@@ -1,7 +1,8 @@
 """`sgl-tts bench runtime`: SGLang CPU runtime settings vs Hugging Face `generate`, measured side by side.
 
-Every engine decodes the same prompts with the same model, greedily, for the same number of new tokens (end
-of sequence ignored), at each parallel request count. Arms are SGLang runtimes that differ in server
+Every engine decodes the same prompts with the same model, greedily or (`--temperature T`, as the searches do)
+sampled from the whole vocabulary at temperature T, for the same number of new tokens (end of sequence ignored),
+at each parallel request count. Arms are SGLang runtimes that differ in server
 arguments (`--arm NAME=ARGS`, e.g. `--arm "steps4=--num-continuous-decode-steps 4"`; leading `VAR=value` words
 set the runtime's environment, as in a shell line: `--arm "t1=OMP_NUM_THREADS=1"`) plus HF `generate` as the
 reference. All SGLang arms are started together and idle (`--sleep-on-idle`) while another arm runs; the arms
@@ -62,11 +63,11 @@ def _prompts(tokenizer, count: int) -> list[str]:
     return [chat_prompt(tokenizer, questions[i % len(questions)] + f" (variant {i})") for i in range(count)]
 
 
-def sglang_tokens_per_s(url: str, prompts: list[str], new_tokens: int) -> float:
+def sglang_tokens_per_s(url: str, prompts: list[str], new_tokens: int, temperature: float = 0.0) -> float:
     def one(prompt: str) -> int:
         answer = http_json(url + "/generate", {
             "text": prompt,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True},
         })
         return int(answer["meta_info"]["completion_tokens"])
 
@@ -84,14 +85,17 @@ def left_padded(tokenizer, prompts: list[str]):
     return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
-def hf_tokens_per_s(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
+def hf_tokens_per_s(model, tokenizer, prompts: list[str], new_tokens: int, temperature: float = 0.0) -> float:
     import torch
 
     batch = left_padded(tokenizer, prompts)
+    # sampled as SGLang samples: the whole vocabulary at `temperature` (HF's own default would cut it to top 50)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     began = time.perf_counter()
     with torch.no_grad():
         output = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                                pad_token_id=tokenizer.pad_token_id, **sampling)
     elapsed = time.perf_counter() - began
     generated = (output.shape[1] - batch.input_ids.shape[1]) * output.shape[0]
     return generated / elapsed
@@ -179,7 +183,7 @@ def flush_cache(url: str) -> None:
     request("POST", url + "/flush_cache?timeout=60", timeout=60)
 
 
-def sglang_sample(url: str, prompts: list[str], new_tokens: int) -> Sample:
+def sglang_sample(url: str, prompts: list[str], new_tokens: int, temperature: float = 0.0) -> Sample:
     def latency(prompt: str) -> float:
         began = time.perf_counter()
         http_json(url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
@@ -189,14 +193,14 @@ def sglang_sample(url: str, prompts: list[str], new_tokens: int) -> Sample:
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         first = statistics.median(pool.map(latency, prompts))
     flush_cache(url)
-    return Sample(sglang_tokens_per_s(url, prompts, new_tokens), first)
+    return Sample(sglang_tokens_per_s(url, prompts, new_tokens, temperature), first)
 
 
-def hf_sample(model, tokenizer, prompts: list[str], new_tokens: int) -> Sample:
+def hf_sample(model, tokenizer, prompts: list[str], new_tokens: int, temperature: float = 0.0) -> Sample:
     began = time.perf_counter()
     hf_tokens_per_s(model, tokenizer, prompts, 1)
     first = time.perf_counter() - began
-    return Sample(hf_tokens_per_s(model, tokenizer, prompts, new_tokens), first)
+    return Sample(hf_tokens_per_s(model, tokenizer, prompts, new_tokens, temperature), first)
 
 
 def bare_forward_sample(model, tokenizer, prompts: list[str], new_tokens: int) -> Sample:
@@ -290,7 +294,7 @@ def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple
 
 def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Sequence[int] = (1, 8, 16, 64),
               repeats: int = 3, arms: Sequence[RuntimeArm] | None = None, threads: int | None = None,
-              max_total_tokens: int = 16384) -> int:
+              max_total_tokens: int = 16384, temperature: float = 0.0) -> int:
     """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), then measure each
     arm, HF generate and the bare torch forward loop at each parallel request count, `repeats` interleaved
     rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, time to
@@ -308,7 +312,8 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
     if threads:
         torch.set_num_threads(threads)
     base = RuntimeConfig(model=model, device="cpu", cpu_threads=threads, max_total_tokens=max_total_tokens)
-    print(f"bench runtime: model={model} new_tokens={new_tokens} parallel={parallel} repeats={repeats} "
+    print(f"bench runtime: model={model} new_tokens={new_tokens} temperature={temperature} parallel={parallel} "
+          f"repeats={repeats} "
           f"arms={[arm.name for arm in arms]} + {HF_ARM}, {TORCH_ARM}; {_load()}", flush=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="sgl-tts-step-trace-"))
     traces = {arm.name: trace_dir / f"{arm.name}.jsonl" for arm in arms}
@@ -338,9 +343,9 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
         measures: dict[str, Callable[[int], Sample]] = {}
         for name, runtime in runtimes.items():
             sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
-            measures[name] = lambda p, url=runtime.url: sglang_sample(url, prompts[:p], new_tokens)
+            measures[name] = lambda p, url=runtime.url: sglang_sample(url, prompts[:p], new_tokens, temperature)
         hf_tokens_per_s(hf_model, tokenizer, prompts[:1], 4)  # warm-up
-        measures[HF_ARM] = lambda p: hf_sample(hf_model, tokenizer, prompts[:p], new_tokens)
+        measures[HF_ARM] = lambda p: hf_sample(hf_model, tokenizer, prompts[:p], new_tokens, temperature)
         measures[TORCH_ARM] = lambda p: bare_forward_sample(hf_model, tokenizer, prompts[:p], new_tokens)
 
         def show(round_index: int, arm: str, p: int, sample: Sample) -> None:
@@ -358,7 +363,8 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
     print(bench_table(samples, splits))
     for arm in arms:
         print(f"  {arm.name}: {arm.describe()}")
-    print(f"  {HF_ARM}: transformers generate, greedy, in this process; {TORCH_ARM}: the model's forward in a loop "
+    decoding = f"sampled at temperature {temperature}" if temperature > 0 else "greedy"
+    print(f"  {HF_ARM}: transformers generate, {decoding}, in this process; {TORCH_ARM}: the model's forward in a loop "
           f"with its KV cache and an argmax (decode tokens only); decode step: the median scheduler step at that "
           f"batch, the model's forward / sampling and output / the scheduler loop around them")
     print(f"fork of 16 on {arms[0].name}: {cache_fraction:.0%} of the branches' prompt tokens served from the "

@@ -78,6 +78,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, help="torch threads in each SGLang scheduler process")
     parser.add_argument("--max-total-tokens", type=int, default=16384,
                         help="KV tokens of each SGLang arm (they run side by side in host memory)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; above 0: SGLang and HF sample the whole vocabulary at this temperature "
+                             "(the CPU default searches at 0.3)")
     parser.set_defaults(func=bench_runtime)
 
     parser = bench_commands.add_parser("fasttts", help="FastTTS by the paper's protocol: one search at a time, "
@@ -235,7 +238,7 @@ def bench_runtime(args: argparse.Namespace) -> int:
 
     return run_bench(model=args.model, new_tokens=args.new_tokens,
                      parallel=[int(p) for p in args.parallel.split(",")], repeats=args.repeats, arms=args.arm,
-                     threads=args.threads, max_total_tokens=args.max_total_tokens)
+                     threads=args.threads, max_total_tokens=args.max_total_tokens, temperature=args.temperature)
 
 
 def bench_fasttts(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from policies import cpu_attention, cpu_linear
+from policies import cpu_attention, cpu_linear, cpu_sampling, search_placement
 from sgl_tts import env_names
 from sgl_tts.runtime.http_client import http_json
 from sgl_tts.runtime.models import resolve_model
@@ -167,6 +167,10 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
+    if config.device == "cpu" and ranks > 1:
+        # each program run's requests on one rank, a new run on the rank with the fewest requests
+        # (policies/search_placement.py), from load counts each rank publishes at every decode step
+        cmd += [*search_placement.LOAD_BALANCE_ARGS, "--load-snapshot-publish-interval", "1"]
     if config.is_embedding:
         cmd.append("--is-embedding")
     return cmd + list(config.extra_args)
@@ -185,6 +189,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # Every linear layer and the LM head through oneDNN on weights packed once (policies/cpu_linear.py): 2.3-2.9x
         # the linear layers' speed at decode batches; `env: {SGLTTS_CPU_LINEAR: sglang}` keeps SGLang's F.linear.
         env[env_names.CPU_LINEAR] = cpu_linear.PACKED
+        # Temperature sampling by the inverse CDF instead of torch.multinomial (policies/cpu_sampling.py): 152 -> 8 ms
+        # for 128 rows on one core; `env: {SGLTTS_CPU_SAMPLING: sglang}` keeps SGLang's.
+        env[env_names.CPU_SAMPLING] = cpu_sampling.CDF
         # A stop (SIGTERM to the group) reads to SGLang as a crash: it sleeps 5 s "to let GPU activity settle", then
         # py-spy-dumps the schedulers and asks for CUDA core dumps. On a CPU that is 5 s and a dump per stop, for
         # nothing a user asked.
@@ -195,6 +202,7 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         if config.cpu_threads:
             env["OMP_NUM_THREADS"] = str(config.cpu_threads)
         if (config.data_parallel or 1) > 1:
+            env[env_names.DP_PLACEMENT] = search_placement.SEARCH
             # SGLang asks a CPU rank for its cores (one NUMA node per rank unless this names them); it pins them only
             # with the CPU build of sgl-kernel, which is not installed here, so this only lets the ranks start.
             threads = config.cpu_threads or 1

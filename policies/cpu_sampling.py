@@ -1,0 +1,52 @@
+"""Sampling of the next token on a CPU runtime by the inverse of the cumulative distribution.
+
+Without top-k, top-p or min-p (the searches' default: temperature only) and without a per-request seed, SGLang
+0.5.23 samples every row of the batch with `torch.multinomial(probs, 1)` (`sampler.sampling_from_probs_torch`).
+On a CPU that costs about 1.2 ms per row over SmolLM2's 49,152-token vocabulary: 152 ms for a decode step of 128
+running requests, 14-17% of a generator rank's time in `make run` (py-spy, 2-core AMD EPYC, AVX2). The same draw
+by the inverse of the cumulative distribution is one prefix sum and one binary search per row:
+
+    C_i   = p_0 + ... + p_i                  cumulative sum over the vocabulary, per row
+    u     ~ Uniform[0, C_{V-1})              one uniform per row, scaled by the row's total
+    token = min { i : C_i > u }              searchsorted(C, u, right=True)
+
+P(token = i) = (C_i - C_{i-1}) / C_{V-1} = p_i / sum(p): the distribution multinomial draws from, so a token of
+probability zero is never drawn (C_i = C_{i-1} leaves no u with C_{i-1} <= u < C_i). 7.6 ms for 128 rows (20x).
+The fp32 prefix sum rounds each C_i by about 1e-7 of the total, far below any probability that matters.
+
+The plugin (`policies/plugin.py`) installs it with $SGLTTS_CPU_SAMPLING=cdf (`sgl_tts/runtime/server.py` sets it on
+every CPU runtime); seeded sampling and any tensor not on the CPU go to SGLang's code unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+TARGET = "sglang.srt.layers.sampler.sampling_from_probs_torch"
+CDF = "cdf"  # the value of $SGLTTS_CPU_SAMPLING that installs it
+
+
+def inverse_cdf(probs: Any, uniform: Any) -> Any:
+    """The token of each row of `probs` [B, V] (non-negative, any positive total) that the uniform draw
+    `uniform` [B] in [0, 1) selects: the first i whose cumulative sum exceeds `uniform` x the row's total."""
+    import torch
+
+    cumulative = probs.cumsum(dim=-1)
+    threshold = (uniform.to(cumulative.dtype) * cumulative[:, -1]).unsqueeze(1)
+    token = torch.searchsorted(cumulative, threshold, right=True)
+    return token.clamp_(max=probs.shape[-1] - 1).view(-1)  # u rounded up to the total: the last index
+
+
+def sample(probs: Any) -> Any:
+    """One token per row of `probs` [B, V], drawn with probability p_i / sum(p), as int32 [B] (SGLang's)."""
+    import torch
+
+    uniform = torch.rand(probs.shape[0], dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
+    return inverse_cdf(probs, uniform).to(torch.int32)
+
+
+def sampling_hook(original: Callable[..., Any], probs: Any, sampling_seed: Any = None, positions: Any = None) -> Any:
+    """An AROUND hook for `sampling_from_probs_torch(probs, sampling_seed, positions)`."""
+    if sampling_seed is not None or probs.device.type != "cpu" or probs.dim() != 2:
+        return original(probs, sampling_seed=sampling_seed, positions=positions)
+    return sample(probs)
