@@ -17,25 +17,88 @@ from sgl_tts.fasttts.speculation import HttpSpeculationClient, extension_factory
 pytestmark = pytest.mark.runtime
 
 
+class StreamedRequest:
+    """A /generate request streamed in a thread: the test sees how many tokens it has decoded, chunk by
+    chunk, as the runtime reports them, and waits on that rather than on the clock."""
+
+    def __init__(self, url: str, body: dict):
+        self.chunks: list[dict] = []
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._stream, args=(url, {**body, "stream": True}))
+        self._thread.start()
+
+    def _stream(self, url: str, body: dict) -> None:
+        import json
+
+        import requests
+
+        with requests.post(url + "/generate", json=body, stream=True, timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                payload = line.removeprefix(b"data:").strip()
+                if not payload or payload == b"[DONE]":
+                    continue
+                with self._changed:
+                    self.chunks.append(json.loads(payload))
+                    self._changed.notify_all()
+
+    def decoded(self) -> int:
+        with self._changed:
+            return self.chunks[-1]["meta_info"]["completion_tokens"] if self.chunks else 0
+
+    def wait_decoded(self, tokens: int) -> None:
+        with self._changed:
+            reached = self._changed.wait_for(lambda: self.decoded() >= tokens or not self._thread.is_alive(),
+                                             timeout=300)
+        assert reached and self.decoded() >= tokens, f"the request decoded {self.decoded()} of {tokens} tokens"
+
+    def answer(self) -> dict:
+        self._thread.join(timeout=300)
+        assert not self._thread.is_alive(), "the request did not end"
+        return self.chunks[-1]
+
+
 def test_an_aborted_request_returns_its_partial_text(tiny_runtime):
     client = HttpSpeculationClient(tiny_runtime)
-    answer = {}
-
-    def long_request():
-        answer["out"] = client.speculate("Once upon a time", {"max_new_tokens": 1500, "ignore_eos": True,
-                                                              "temperature": 0.8}, {"rid": "spec-abort-test"})
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(2.0)
-    aborted_at = time.monotonic()
+    request = StreamedRequest(tiny_runtime.url, {
+        "rid": "spec-abort-test", "text": "Once upon a time",
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0.8}})
+    request.wait_decoded(4)
     client.abort("spec-abort-test")
-    thread.join(timeout=60)
-    assert not thread.is_alive() and time.monotonic() - aborted_at < 30, "the abort stops the request"
-    text, meta = answer["out"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert 0 < meta["completion_tokens"] < 1500 and text, "the tokens generated so far come back"
+    answer = request.answer()
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", "the abort stops the request"
+    assert 4 <= meta["completion_tokens"] < 1500 and answer["text"], "the tokens generated so far come back"
     client.abort("spec-abort-test")  # aborting a finished request is a no-op
+
+
+def test_a_standard_request_preempts_a_speculative_one(priority_runtime):
+    """On a runtime with FastTTS's priority scheduling and plugin, a standard request arriving while a
+    speculative one holds the only running slot is served first; the speculative request is paused, not
+    lost: it resumes and answers its partial text when aborted."""
+    from sgl_tts.runtime.server import http_json
+
+    runtime, fast = priority_runtime
+
+    def body(rid, priority, max_new_tokens):
+        return {"rid": rid, "text": "The answer is", "priority": priority,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}}
+
+    # The speculative request is as long as the context: it cannot finish while the test runs.
+    speculative = StreamedRequest(runtime.url, body("spec", fast.speculative_priority, 2000))
+    speculative.wait_decoded(2)
+    standard = http_json(runtime.url + "/generate", body("standard", fast.standard_priority, 4))
+    assert standard["meta_info"]["completion_tokens"] == 4
+    paused_at = speculative.decoded()
+    assert speculative.chunks[-1]["meta_info"]["finish_reason"] is None, "the standard request answers first"
+    # Tokens past those seen when the standard request answered were decoded after it: the speculative request
+    # is back in the running batch (a few chunks may still have been on their way when it answered).
+    speculative.wait_decoded(paused_at + 8)
+    http_json(runtime.url + "/abort_request", {"rid": "spec"})
+    meta = speculative.answer()["meta_info"]
+    runtime.check_alive()
+    assert meta["finish_reason"]["type"] == "abort"
+    assert paused_at + 8 <= meta["completion_tokens"] < 2000
 
 
 def test_beam_search_with_speculation_on_a_real_runtime(tiny_search_runtimes, tiny_runtime):
@@ -60,56 +123,3 @@ def test_beam_search_with_speculation_on_a_real_runtime(tiny_search_runtimes, ti
     for candidate in result.candidates:
         assert len(candidate.step_scores) == len(candidate.steps) <= config.max_steps
         assert candidate.tokens <= config.max_tokens
-
-
-def test_a_standard_request_preempts_a_speculative_one(priority_runtime):
-    """On a runtime with FastTTS's priority scheduling and plugin, a standard request arriving while a
-    speculative one holds the only running slot is served first; the speculative request is paused, not
-    lost: it resumes and answers its partial text when aborted."""
-    from sgl_tts.runtime.server import http_json
-
-    runtime, fast = priority_runtime
-    finished, answers, lock = [], {}, threading.Lock()
-
-    def send(rid, priority, max_new_tokens):
-        answer = http_json(runtime.url + "/generate", {
-            "rid": rid, "text": "The answer is", "priority": priority,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}})
-        with lock:
-            finished.append(rid)
-            answers[rid] = answer
-
-    def loads():
-        ranks = http_json(runtime.url + "/v1/loads?include=core")["loads"]
-        return (sum(int(r.get("num_running_reqs", 0)) for r in ranks),
-                sum(int(r.get("num_waiting_reqs", 0)) for r in ranks))
-
-    def used_tokens():
-        return sum(int(r.get("num_used_tokens", 0)) for r in http_json(runtime.url + "/v1/loads?include=core")["loads"])
-
-    def wait_for(condition, what):
-        deadline = time.monotonic() + 300
-        while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.02)
-
-    # The speculative request is as long as the context: it cannot finish while the test runs.
-    speculative = threading.Thread(target=send, args=("spec", fast.speculative_priority, 2000))
-    speculative.start()
-    wait_for(lambda: loads()[0] == 1, "the speculative request to run")
-    running_with = used_tokens()  # its prompt and what it has decoded so far
-    wait_for(lambda: used_tokens() > running_with, "the speculative request to decode")
-    standard = threading.Thread(target=send, args=("standard", fast.standard_priority, 4))
-    standard.start()
-    standard.join(timeout=300)
-    assert finished == ["standard"], f"the standard request should finish first; finished: {finished}"
-    wait_for(lambda: loads()[0] == 1, "the speculative request to resume")
-    resumed_with = used_tokens()
-    wait_for(lambda: used_tokens() > resumed_with, "the resumed request to decode")  # an abort before it answers 0
-    http_json(runtime.url + "/abort_request", {"rid": "spec"})
-    speculative.join(timeout=300)
-    runtime.check_alive()
-    meta = answers["spec"]["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert 0 < meta["completion_tokens"] < 2000
-    assert answers["standard"]["meta_info"]["completion_tokens"] == 4
