@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from sgl_tts.search import (RUNTIME_FAILURES, answer_at_end, build_result, extract_answer, finish, ReasoningPath,
-                            record_token_confidences, Runtimes, search_failed, SearchConfig, SearchResult,
-                            SearchContext, start_search, split_steps, top_logprobs_request, wait_meta)
+from sgl_tts.search import (RUNTIME_FAILURES, answer_at_end, as_generated, build_result, extract_answer, finish,
+                            ReasoningPath, record_token_confidences, Runtimes, search_failed, SearchConfig,
+                            SearchResult, SearchContext, start_search, split_steps, top_logprobs_request)
 
 
 @sgl.function
@@ -22,16 +22,16 @@ def best_of_n_program(s, prompt: str, config: SearchConfig, tracker: SearchConte
     for fork in forks:
         fork += sgl.gen("solution", max_tokens=config.max_tokens, temperature=config.temperature,
                         top_p=config.top_p, **top_logprobs_request(logprobs))
-    paths = []
-    for fork in forks:
-        meta = wait_meta(fork, "solution")
+    paths: list[ReasoningPath] = [None] * config.n  # in fork order; each ends as its sample does
+    for index, meta in as_generated(list(forks), "solution"):  # first done first: the stopping rules hear it at once
+        fork = forks[index]
         text = fork["solution"]
         path = ReasoningPath(state=fork, steps=split_steps(text, config.step_delimiter, config.max_steps),
-                    tokens=int(meta.get("completion_tokens", 0)))
+                             tokens=int(meta.get("completion_tokens", 0)))
         record_token_confidences(path, meta)
         reason = (meta.get("finish_reason") or {}).get("type")
         marked = extract_answer(text)
-        paths.append(path)
+        paths[index] = path
         if reason == "abort":  # the engine aborted it (the search stopped early): an unfinished path
             continue
         # a solution the model ended may state its answer unmarked at the end; one cut at max_tokens has none

@@ -11,6 +11,7 @@ from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
 from sgl_tts.search.programs import load_program
 from sgl_tts.search.stopping import SettledAnswerRule, Stopping, TraceConfidenceRule
+from sgl_tts.frontend.sglang_internals import search_of
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"
@@ -121,3 +122,92 @@ def test_deepconf_decides_with_the_same_rule_objects(monkeypatch):
     monkeypatch.setattr(TraceConfidenceRule, "should_stop", lambda self, confidence: False)
     unstopped, _, _, _ = run("deepconf", config)
     assert unstopped.extra["deepconf"]["stopped"] == []
+
+
+class PacedBackend(ScriptedBackend):
+    """The scripted model, answering each request only once the search has heard every earlier answer (as an
+    ended path) or has stopped: as on a runtime, where a sample takes far longer than the client's handling of
+    one. Without it the scripted answers, which take no time, could all be out before the first is read."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.answers = 0
+
+    def _generate(self, s, sampling_params):
+        context = search_of(s)
+        with context._changed:
+            while not (len(context.finished_paths) >= self.answers or context.stopped):
+                context._changed.wait(0.01)  # path_finished does not notify: the state is read again
+            self.answers += 1
+        return super()._generate(s, sampling_params)
+
+
+def test_a_staged_best_of_n_sends_only_the_samples_it_takes_to_settle():
+    base = SearchConfig(program="best_of_n", n=16, max_tokens=10_000)
+    plain, plain_backend, _, _ = run("best_of_n", base, AGREEING)
+    staged = Stopping(rule="settled", consensus=0.6, min_answers=3, stage=4)
+    config = dataclasses.replace(base, stopping=staged)
+    backend, scorer = PacedBackend(AGREEING), ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
+    context = runtimes.new_search(config, PROBLEM.id)
+    settled = load_program("best_of_n")(PROBLEM, config, runtimes, context)
+    assert len(plain_backend.requests) == 16 and plain.finish_reason == "complete"
+    assert settled.finish_reason == "settled" and settled.answer == "0"
+    # three agreeing answers settle it; at most a stage's worth were on their way besides
+    assert 3 <= len(backend.requests) <= 3 + staged.stage < 16
+    assert settled.generated_tokens < plain.generated_tokens and not scorer.calls
+    assert context.in_flight() == []
+
+
+def test_a_stage_without_a_rule_changes_no_answer():
+    base = SearchConfig(n=6, beam_width=2, max_steps=6, max_tokens=10_000)
+    plain, plain_backend, _, _ = run("beam_search", base)
+    staged, backend, _, _ = run("beam_search", dataclasses.replace(base, stopping=Stopping(stage=2)))
+    assert staged.finish_reason == "complete" and staged.answer == plain.answer
+    assert sorted(c.text for c in staged.candidates) == sorted(c.text for c in plain.candidates)
+    assert len(backend.requests) == len(plain_backend.requests)
+
+
+def test_the_stage_sends_at_most_k_at_once_in_the_order_they_came_and_a_stop_refuses_the_rest():
+    import threading
+
+    from sgl_tts.search.context import SearchContext, SearchStopped
+
+    context = SearchContext(SearchConfig(stopping=Stopping(stage=2)))
+    admitted, refused, lock = [], [], threading.Lock()
+
+    def send(rid):
+        try:
+            context.request_sent(rid)
+        except SearchStopped:
+            with lock:
+                refused.append(rid)
+            return
+        with lock:
+            admitted.append(rid)
+
+    def wait_until(condition):
+        with context._changed:
+            assert context._changed.wait_for(condition, timeout=60)
+
+    threads = []
+    for i in range(6):  # each thread reaches the stage before the next starts: their order is known
+        threads.append(threading.Thread(target=send, args=(f"r{i}",)))
+        threads[-1].start()
+        wait_until(lambda: context._tickets_issued == i + 1)
+    wait_until(lambda: len(context.in_flight()) == 2)
+    assert sorted(context.in_flight()) == ["r0", "r1"], "two at once, the first two"
+    context.request_done("r1")
+    wait_until(lambda: "r2" in context._in_flight)
+    context.request_done("r0")
+    wait_until(lambda: "r3" in context._in_flight)
+    assert context.in_flight() == ["r2", "r3"]
+    context.stop("settled")
+    for thread in threads:
+        thread.join(timeout=60)
+    assert admitted == ["r0", "r1", "r2", "r3"] and sorted(refused) == ["r4", "r5"]
+
+
+def test_a_stage_below_zero_names_the_field():
+    with pytest.raises(ValueError, match="stopping.stage"):
+        Stopping(stage=-1)

@@ -142,6 +142,17 @@ def wait_meta(state: Any, name: str) -> dict[str, Any]:
     return meta or {}
 
 
+def as_generated(states: list[Any], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, meta) of each of `states` as its generation `name` ends, first done first (`wait_meta` on each in
+    a thread of its own); the first failure is raised once every state has ended."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(max_workers=max(1, len(states)), thread_name_prefix="as-generated") as pool:
+        waits = {pool.submit(wait_meta, state, name): index for index, state in enumerate(states)}
+        for done in as_completed(waits):
+            yield waits[done], done.result()
+
+
 def end_program_states(backends: Iterable[Any] | None = None) -> int:
     """End the worker thread of every program state still alive (on `backends`, or all); returns how many.
 

@@ -20,7 +20,7 @@ _EXPORTS = {
     "sgl_tts.search.confidence": ("OnlineThreshold", "filter_top", "lowest_group_confidence", "vote_settled",
                                   "weighted_vote"),
     "sgl_tts.search.context": ("SearchContext", "SearchCancelled"),
-    "sgl_tts.frontend.sglang_internals": ("wait_meta",),
+    "sgl_tts.frontend.sglang_internals": ("as_generated", "wait_meta"),
     "sgl_tts.search.grading": ("answer_at_end", "extract_answer", "normalize_answer"),
     "sgl_tts.search.records": ("Candidate", "SearchResult"),
     "sgl_tts.search.selection": ("select",),

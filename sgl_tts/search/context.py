@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 from sgl_tts.frontend.ledger import Request, RequestLedger
@@ -35,6 +36,11 @@ from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.grading import normalize_answer
 from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, SettledAnswerRule, Stopping, TraceConfidenceRule
 from sgl_tts.search.tree import SearchTree
+
+
+# A request refused because its search stopped or was cancelled ends the SGLang state that sent it, and SGLang's
+# executor reports that with a warning and its traceback. It is how a search ends early, not an error: not shown.
+warnings.filterwarnings("ignore", message=r"Error in stream_executor(?s:.*)(SearchStopped|SearchCancelled)")
 
 
 class SearchCancelled(RuntimeError):
@@ -77,6 +83,7 @@ class SearchContext:
         self._changed = threading.Condition()
         self._cancelled = False
         self._in_flight: dict[str, int] = {}  # rid -> requests in flight with it
+        self._tickets_issued = self._tickets_admitted = 0  # requests queued / sent under `stopping.stage`
         self.aborted_requests = 0  # requests answered with finish_reason 'abort'
         self.clock = clock
         self.on_stop = on_stop
@@ -120,9 +127,30 @@ class SearchContext:
             self.outer.request_sent(rid)
         self.check_budget()
         with self._changed:
+            self._wait_for_a_stage_slot()
             self._refuse_if_cancelled()
             self.refuse_if_stopped()
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+
+    def _wait_for_a_stage_slot(self) -> None:
+        """With `stopping.stage` k > 0, wait (holding no lock) until fewer than k requests are in flight and every
+        request sent before this one has gone out: requests leave in the order they came. A stop or a cancel
+        wakes every waiter, to be refused."""
+        stage = self.stopping.stage
+        if stage <= 0:
+            return
+        ticket = self._tickets_issued
+        self._tickets_issued += 1
+
+        def may_go() -> bool:
+            return self.cancelled or self.stopped is not None or (
+                ticket == self._tickets_admitted and sum(self._in_flight.values()) < stage)
+
+        while not self._changed.wait_for(may_go, timeout=1.0):
+            pass  # an outer search's stop or cancel does not notify this one: looked at again each second
+        if ticket == self._tickets_admitted:
+            self._tickets_admitted += 1
+            self._changed.notify_all()
 
     def request_done(self, rid: str) -> None:
         with self._changed:
@@ -165,6 +193,7 @@ class SearchContext:
         """Refuse new requests from now on; returns the rids in flight (to abort on the runtime)."""
         with self._changed:
             self._cancelled = True
+            self._changed.notify_all()  # requests waiting for a stage slot are refused
             return sorted(self._in_flight)
 
     def in_flight(self) -> list[str]:
@@ -183,7 +212,7 @@ class SearchContext:
             return True
 
     def _refuse_if_cancelled(self) -> None:
-        if self._cancelled:
+        if self.cancelled:
             raise SearchCancelled(f"search {self.label} was cancelled")
 
     # -- stopping early -----------------------------------------------------------------------------------
@@ -200,6 +229,7 @@ class SearchContext:
             first = self.stop_reason is None
             if first:
                 self.stop_reason = reason
+                self._changed.notify_all()  # requests waiting for a stage slot are refused
             rids = sorted(self._in_flight)
         if first:
             if self._timer is not None:

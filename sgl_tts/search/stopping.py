@@ -11,6 +11,13 @@ Two rules, each a small class of numbers and answers (no paths, no requests), us
 - `SettledAnswerRule` (certaindex / Dynasor-style early exit): once at least `min_answers` paths have ended with
   an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each), the search stops
   sending and answers with that answer (`SearchResult.finish_reason` "settled").
+
+Both rules hear a path only when it ends, and a program that sends its paths at once (best-of-N's n samples, the
+children of one expansion) has spent nearly all its tokens by then. `stage` staggers any program beneath it: at
+most `stage` of the search's generator requests are in flight, the others wait in the order they were sent and go
+out as earlier ones end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the
+rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
+within one program; here the program is unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class Stopping:
     warmup: int = 4  # confidence: ended paths that set the threshold
     consensus: float = 0.6  # settled: the leading answer's share of the answers
     min_answers: int = 2  # settled: answers before the vote may settle
+    stage: int = 0  # generator requests of the search in flight at once, the rest sent as they end (0: no limit)
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -43,6 +51,8 @@ class Stopping:
         for name in ("top_k", "window", "warmup", "min_answers"):
             if getattr(self, name) < 1:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
+        if self.stage < 0:
+            raise FieldValueError("stage", f"stopping.stage must be 0 (no limit) or more, got {self.stage}")
         for name in ("keep_fraction", "consensus"):
             if not 0 < getattr(self, name) <= 1:
                 raise FieldValueError(name, f"stopping.{name} must be in (0, 1], got {getattr(self, name)}")
