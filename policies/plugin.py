@@ -84,7 +84,7 @@ def register() -> None:
     sampling = (env_names.read(env_names.CPU_SAMPLING) or "").strip()
     placement = (env_names.read(env_names.DP_PLACEMENT) or "").strip()
     step_trace = env_names.read(env_names.STEP_TRACE)
-    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and linear != cpu_linear.PACKED \
+    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and linear not in cpu_linear.VALUES \
             and sampling != cpu_sampling.CDF and placement != search_placement.SEARCH and not step_trace:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -94,9 +94,10 @@ def register() -> None:
         HookRegistry.register(idle_wait.TARGET, idle_wait.event_loop, HookType.REPLACE)
         announce(f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
                  f"for requests")
-    if linear == cpu_linear.PACKED:
+    if linear in cpu_linear.VALUES:
+        head_hook = cpu_linear.lm_head_hook if linear == cpu_linear.PACKED else cpu_linear.dense_lm_head_hook
         HookRegistry.register(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, HookType.AROUND)
-        HookRegistry.register(cpu_linear.LM_HEAD_TARGET, cpu_linear.lm_head_hook, HookType.AROUND)
+        HookRegistry.register(cpu_linear.LM_HEAD_TARGET, head_hook, HookType.AROUND)
         announce(f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and {cpu_linear.LM_HEAD_TARGET}")
     if sampling == cpu_sampling.CDF:
         HookRegistry.register(cpu_sampling.TARGET, cpu_sampling.sampling_hook, HookType.AROUND)

@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.quantization.unquant")
 
-from policies.cpu_linear import applies, linear_hook, lm_head_hook, packed_linear, packed_weight  # noqa: E402
+from policies.cpu_linear import (applies, dense_lm_head_hook, linear_hook, live_rows, lm_head_hook,  # noqa: E402
+                                 packed_linear, packed_weight)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -82,3 +83,39 @@ def test_the_lm_head_hook_matches_sglangs_plain_head_and_leaves_other_heads():
         lm_head_hook(original, processor, hidden, other)
     lm_head_hook(original, types.SimpleNamespace(rl_on_policy_target="x", use_fp32_lm_head=False), hidden, head)
     assert calls[1:] == [lora, quantized, head]
+
+
+def test_a_head_of_few_live_rows_is_computed_on_them_alone_and_equals_the_full_product():
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    head = layer_of(4096, 64)
+    head.weight.data[:] = 0
+    head.weight.data[[3, 4000]] = torch.randn(2, 64)  # a classifier folded into an LM head (scoring/probe.py)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    processor = types.SimpleNamespace(rl_on_policy_target=None, use_fp32_lm_head=False)
+    hidden = torch.randn(5, 7, 64)
+    expected = torch.matmul(hidden, head.weight.T)
+    rows, _ = live_rows(head)
+    assert rows.tolist() == [3, 4000]
+    got = lm_head_hook(lambda *args, **kwargs: pytest.fail("SGLang's head called"), processor, hidden, head)
+    assert got.shape == expected.shape and got[..., 5].abs().max() == 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        head.weight[7] = 1.0  # changed in place: its live rows are found again
+    assert live_rows(head)[0].tolist() == [3, 7, 4000]
+    torch.testing.assert_close(lm_head_hook(None, processor, hidden, head), torch.matmul(hidden, head.weight.T),
+                               rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        head.weight[:100] = 1.0  # more live rows than SPARSE_HEAD_SHARE: the packed product
+    assert live_rows(head) is None
+    torch.testing.assert_close(lm_head_hook(None, processor, hidden, head), torch.matmul(hidden, head.weight.T),
+                               rtol=1e-5, atol=1e-4)
+    dense = layer_of(4096, 64)
+    with torch.no_grad():
+        dense.weight.copy_(head.weight)
+        dense.weight[100:] = 0
+        dense.weight[5] = 2.0
+    dense.quant_method = head.quant_method
+    torch.testing.assert_close(dense_lm_head_hook(None, processor, hidden, dense),
+                               torch.matmul(hidden, dense.weight.T), rtol=1e-5, atol=1e-4)
+    assert not hasattr(dense, "_sgltts_live_rows"), "packed-dense never looks for live rows"

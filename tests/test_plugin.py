@@ -195,3 +195,23 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
         assert dict(HookRegistry._hooks) == {}
     finally:
         HookRegistry.reset()
+
+
+@pytest.mark.parametrize("value, head_hook", [("packed", "lm_head_hook"), ("packed-dense", "dense_lm_head_hook")])
+def test_the_linear_setting_chooses_the_heads_hook(monkeypatch, value, head_hook):
+    registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    from policies import cpu_linear
+
+    HookRegistry = registry_module.HookRegistry
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_SAMPLING, env_names.DP_PLACEMENT,
+                 env_names.STEP_TRACE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env_names.CPU_LINEAR, value)
+    HookRegistry.reset()
+    try:
+        plugin.register()
+        hooks = {target: [function for _, function, _ in entries] for target, entries in HookRegistry._hooks.items()}
+    finally:
+        HookRegistry.reset()
+    assert hooks == {cpu_linear.LINEAR_TARGET: [cpu_linear.linear_hook],
+                     cpu_linear.LM_HEAD_TARGET: [getattr(cpu_linear, head_hook)]}
