@@ -11,7 +11,7 @@ from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
 from sgl_tts.search.programs import load_program
 from sgl_tts.search.stopping import SettledAnswerRule, Stopping, TraceConfidenceRule
-from sgl_tts.frontend.sglang_internals import search_of
+from sgl_tts.frontend.sglang_internals import end_program_states, search_of
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
 PROMPT = "Q: what is two plus two?\n\n"
@@ -157,6 +157,7 @@ def test_a_staged_best_of_n_sends_only_the_samples_it_takes_to_settle():
     assert 3 <= len(backend.requests) <= 3 + staged.stage < 16
     assert settled.generated_tokens < plain.generated_tokens and not scorer.calls
     assert context.in_flight() == []
+    assert end_program_states([backend]) == 0, "the refused samples' program states were ended with the search"
 
 
 def test_a_stage_without_a_rule_changes_no_answer():

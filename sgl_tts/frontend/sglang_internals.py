@@ -144,13 +144,20 @@ def wait_meta(state: Any, name: str) -> dict[str, Any]:
 
 def as_generated(states: list[Any], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(index, meta) of each of `states` as its generation `name` ends, first done first (`wait_meta` on each in
-    a thread of its own); the first failure is raised once every state has ended."""
+    a thread of its own). The first failure (a request refused because the search stopped, a runtime error) is
+    raised once every state's generation has ended, and the states are ended with it: a state left to the caller's
+    `join`, which the failure skips, would keep its worker thread until the process exits."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    with ThreadPoolExecutor(max_workers=max(1, len(states)), thread_name_prefix="as-generated") as pool:
-        waits = {pool.submit(wait_meta, state, name): index for index, state in enumerate(states)}
-        for done in as_completed(waits):
-            yield waits[done], done.result()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(states)), thread_name_prefix="as-generated") as pool:
+            waits = {pool.submit(wait_meta, state, name): index for index, state in enumerate(states)}
+            for done in as_completed(waits):
+                yield waits[done], done.result()
+    except BaseException:
+        for state in states:
+            executor_of(state).end()
+        raise
 
 
 def end_program_states(backends: Iterable[Any] | None = None) -> int:
