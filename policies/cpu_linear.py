@@ -26,8 +26,9 @@ otherwise spends a full-vocabulary product per token on a head of one row (0.83 
 one thread, AVX2 EPYC).
 
 The plugin (`policies/plugin.py`) installs both hooks with $SGLTTS_CPU_LINEAR=packed (`sgl_tts/runtime/server.py`
-sets it on every CPU runtime; packed-dense packs every head whole, to measure the live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16, quantized or
-LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
+sets it on every CPU runtime; packed-dense packs every head whole, to measure the live-rows head against); any
+call that is not a plain fp32 product on the CPU (CUDA, bf16, quantized or LoRA heads, SGLang's own AMX path)
+goes to SGLang's code unchanged.
 """
 
 from __future__ import annotations

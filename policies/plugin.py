@@ -84,31 +84,36 @@ def register() -> None:
     sampling = (env_names.read(env_names.CPU_SAMPLING) or "").strip()
     placement = (env_names.read(env_names.DP_PLACEMENT) or "").strip()
     step_trace = env_names.read(env_names.STEP_TRACE)
-    if name == FcfsOrder.name and attention != cpu_attention.BATCHED and linear not in cpu_linear.VALUES \
-            and sampling != cpu_sampling.CDF and placement != search_placement.SEARCH and not step_trace:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    switched_on: list[tuple[list[tuple[str, Any, str]], str]] = []  # (target, hook, hook kind)s, announcement
     if attention == cpu_attention.BATCHED:
-        HookRegistry.register(cpu_attention.TARGET, cpu_attention.decode_hook, HookType.AROUND)
-        HookRegistry.register(idle_wait.TARGET, idle_wait.event_loop, HookType.REPLACE)
-        announce(f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
-                 f"for requests")
+        switched_on.append(([(cpu_attention.TARGET, cpu_attention.decode_hook, "AROUND"),
+                             (idle_wait.TARGET, idle_wait.event_loop, "REPLACE")],
+                            f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
+                            f"for requests"))
     if linear in cpu_linear.VALUES:
         head_hook = cpu_linear.lm_head_hook if linear == cpu_linear.PACKED else cpu_linear.dense_lm_head_hook
-        HookRegistry.register(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, HookType.AROUND)
-        HookRegistry.register(cpu_linear.LM_HEAD_TARGET, head_hook, HookType.AROUND)
-        announce(f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and {cpu_linear.LM_HEAD_TARGET}")
+        switched_on.append(([(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, "AROUND"),
+                             (cpu_linear.LM_HEAD_TARGET, head_hook, "AROUND")],
+                            f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and "
+                            f"{cpu_linear.LM_HEAD_TARGET}"))
     if sampling == cpu_sampling.CDF:
-        HookRegistry.register(cpu_sampling.TARGET, cpu_sampling.sampling_hook, HookType.AROUND)
-        announce(f"inverse-CDF sampling installed on {cpu_sampling.TARGET}")
+        switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND")],
+                            f"inverse-CDF sampling installed on {cpu_sampling.TARGET}"))
     if placement == search_placement.SEARCH:
-        HookRegistry.register(search_placement.TARGET, search_placement.make_dispatch_hook(), HookType.AROUND)
-        announce(f"search placement installed on {search_placement.TARGET}")
+        switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
+                            f"search placement installed on {search_placement.TARGET}"))
     if step_trace:
         trace = StepTrace(step_trace)
-        HookRegistry.register(step_timing.RUN_BATCH, trace.run_batch, HookType.AROUND)
-        HookRegistry.register(step_timing.MODEL_FORWARD, trace.model_forward, HookType.AROUND)
-        announce(f"step timing to {step_trace}")
+        switched_on.append(([(step_timing.RUN_BATCH, trace.run_batch, "AROUND"),
+                             (step_timing.MODEL_FORWARD, trace.model_forward, "AROUND")],
+                            f"step timing to {step_trace}"))
+    if name == FcfsOrder.name and not switched_on:
+        return  # nothing to install: SGLang's hook registry is not even imported
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for hooks, announcement in switched_on:
+        for target, hook, kind in hooks:
+            HookRegistry.register(target, hook, HookType[kind])
+        announce(announcement)
     if name != FcfsOrder.name:
         install(name, HookRegistry, HookType.AROUND, env_names.read(ENV_TRACE))

@@ -118,6 +118,17 @@ class RuntimeConfig:
         """Whether this runtime is a router in front of several servers (sgl_tts.runtime.replicas)."""
         return self.replicas > 1 or bool(self.remote_workers)
 
+    @property
+    def ranks(self) -> int:
+        """Data-parallel scheduler ranks of the server (1 unless `data_parallel` says more)."""
+        return self.data_parallel or 1
+
+    @property
+    def places_searches(self) -> bool:
+        """Whether each program run's requests go to one rank (policies/search_placement.py): a CPU server of more
+        than one rank, with the load-balance flags (`server_command`) and the plugin switch (`server_env`)."""
+        return self.device == "cpu" and self.ranks > 1
+
 
 def is_loopback(host: str) -> bool:
     """Whether `host` is reachable from this machine only ("localhost" or a loopback IP; a host name may resolve
@@ -155,7 +166,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     cmd += ["--dtype", dtype]
     if attention:
         cmd += ["--attention-backend", attention]
-    ranks = config.data_parallel or 1
+    ranks = config.ranks
     optional = {
         "--max-total-tokens": config.max_total_tokens // ranks if config.max_total_tokens else None,  # per rank
         "--dp-size": ranks if ranks > 1 else None,
@@ -167,7 +178,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
-    if config.device == "cpu" and ranks > 1:
+    if config.places_searches:
         # each program run's requests on one rank, a new run on the rank with the fewest requests
         # (policies/search_placement.py), from load counts each rank publishes at every decode step
         cmd += [*search_placement.LOAD_BALANCE_ARGS, "--load-snapshot-publish-interval", "1"]
@@ -201,7 +212,7 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
         if config.cpu_threads:
             env["OMP_NUM_THREADS"] = str(config.cpu_threads)
-        if (config.data_parallel or 1) > 1:
+        if config.places_searches:
             env[env_names.DP_PLACEMENT] = search_placement.SEARCH
             # SGLang asks a CPU rank for its cores (one NUMA node per rank unless this names them); it pins them only
             # with the CPU build of sgl-kernel, which is not installed here, so this only lets the ranks start.
@@ -235,13 +246,13 @@ def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None)
         config = configs[name]
         if config.cpu_threads is not None:
             continue
-        ranks = config.data_parallel or 1
+        ranks = config.ranks
         if name == "generator" and config.data_parallel is None:
             ranks = max(1, cores // config.replicas)
             if config.max_total_tokens is not None:  # a small KV budget stays whole (bench fasttts' thrashing cells)
                 ranks = max(1, min(ranks, config.max_total_tokens // MIN_RANK_TOKENS))
         shared[name] = replace(config, cpu_threads=1, data_parallel=ranks)
-    threads = sum(shared[n].cpu_threads * (shared[n].data_parallel or 1) * shared[n].replicas for n in on_cpu)
+    threads = sum(shared[n].cpu_threads * shared[n].ranks * shared[n].replicas for n in on_cpu)
     if any(shared[n].cpu_threads > 1 for n in on_cpu) and threads > cores:
         for name in on_cpu:
             env = dict(shared[name].env)
