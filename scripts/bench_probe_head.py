@@ -21,7 +21,7 @@ import time
 from sgl_tts.frontend.backend import chat_prompt
 from sgl_tts.problems import graded_problems
 from sgl_tts.runtime.hardware import cpu_summary
-from sgl_tts.runtime.http_client import http_json
+from sgl_tts.runtime.http_client import request
 from sgl_tts.runtime.server import Runtime, RuntimeConfig
 from sgl_tts.scoring.factory import make_scorer
 from sgl_tts.scoring.scorer_config import ScorerConfig
@@ -42,7 +42,7 @@ def solution(rng: random.Random, question: str) -> list[str]:
 
 def score_round(runtime: Runtime, tokenizer, workload) -> tuple[float, int]:
     """Seconds to score every problem's paths (the problems at once), and the tokens the verifier computed."""
-    http_json(runtime.url + "/flush_cache", None)
+    request("POST", runtime.url + "/flush_cache?timeout=60", timeout=60)
     scorer = make_scorer(ScorerConfig(kind="probe", runtime=runtime.config), runtime, tokenizer)
     computed, lock = [0], threading.Lock()
 
