@@ -59,12 +59,18 @@ def packed_weight(module: Any) -> Any:
     """`module.weight` reordered into oneDNN's layout, packed on first use and again after the weight changed."""
     import torch
 
+    return per_weight(module, _CACHE, torch.ops.mkldnn._reorder_linear_weight)
+
+
+def per_weight(module: Any, attribute: str, derive: Callable[[Any], Any]) -> Any:
+    """`derive(module.weight)` (detached), kept in `module.<attribute>` with the weight's identity (storage,
+    version, shape): derived once per weight, and again after it changed in place."""
     weight = module.weight
     identity = (weight.data_ptr(), weight._version, tuple(weight.shape))
-    cached = getattr(module, _CACHE, None)
+    cached = getattr(module, attribute, None)
     if cached is None or cached[0] != identity:
-        cached = (identity, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        setattr(module, _CACHE, cached)
+        cached = (identity, derive(weight.detach()))
+        setattr(module, attribute, cached)
     return cached[1]
 
 
@@ -73,15 +79,11 @@ def live_rows(module: Any) -> tuple[Any, Any] | None:
     are non-zero, else None; found once per weight, and again after it changed."""
     import torch
 
-    weight = module.weight
-    identity = (weight.data_ptr(), weight._version, tuple(weight.shape))
-    cached = getattr(module, _ROWS_CACHE, None)
-    if cached is None or cached[0] != identity:
-        rows = torch.nonzero(weight.detach().ne(0).any(dim=1)).flatten()
-        sparse = (rows, weight.detach()[rows].contiguous()) if len(rows) <= SPARSE_HEAD_SHARE * len(weight) else None
-        cached = (identity, sparse)
-        setattr(module, _ROWS_CACHE, cached)
-    return cached[1]
+    def find(weight: Any) -> tuple[Any, Any] | None:
+        rows = torch.nonzero(weight.ne(0).any(dim=1)).flatten()
+        return (rows, weight[rows].contiguous()) if len(rows) <= SPARSE_HEAD_SHARE * len(weight) else None
+
+    return per_weight(module, _ROWS_CACHE, find)
 
 
 def sparse_rows_linear(x: Any, rows: Any, row_weights: Any, out_features: int) -> Any:

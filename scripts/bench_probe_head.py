@@ -18,6 +18,8 @@ import statistics
 import threading
 import time
 
+from policies import cpu_linear
+from sgl_tts import env_names
 from sgl_tts.frontend.backend import chat_prompt
 from sgl_tts.problems import graded_problems
 from sgl_tts.runtime.hardware import cpu_summary
@@ -26,7 +28,7 @@ from sgl_tts.runtime.server import Runtime, RuntimeConfig
 from sgl_tts.scoring.factory import make_scorer
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
-ARMS = {"live-rows": "packed", "dense": "packed-dense"}
+ARMS = {"live-rows": cpu_linear.PACKED, "dense": cpu_linear.PACKED_DENSE}
 
 
 def solution(rng: random.Random, question: str) -> list[str]:
@@ -69,7 +71,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     runtimes = {arm: Runtime.start(RuntimeConfig(model="smollm2-135m-probe", device="cpu", max_total_tokens=8192,
-                                                 env={"SGLTTS_CPU_LINEAR": value}), name=f"probe-{arm}")
+                                                 env={env_names.CPU_LINEAR: value}), name=f"probe-{arm}")
                 for arm, value in ARMS.items()}
     try:
         tokenizer = AutoTokenizer.from_pretrained(next(iter(runtimes.values())).model_path)
