@@ -150,3 +150,32 @@ def test_an_endpoint_error_names_the_runtime_and_is_a_search_failure():
     with pytest.raises(GeneratorError, match="generator runtime 'generator' at http://127.0.0.1:9 failed"):
         endpoint._call(failing)
     assert issubclass(GeneratorError, RUNTIME_FAILURES)
+
+
+def test_an_answer_is_heard_before_its_request_leaves_the_in_flight_set(monkeypatch):
+    """A cancel aborts the requests in flight and waits until none is left, then reads the search's abort count:
+    each answer (an abort here) must be recorded while its rid is still in flight."""
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+    from sglang.lang.chat_template import get_chat_template
+
+    endpoint = TTSEndpoint.__new__(TTSEndpoint)  # no server to ask for model info
+    endpoint.runtime, endpoint.base_url, endpoint.name = DeadRuntime(), DeadRuntime.url, "generator"
+    endpoint.standard_priority, endpoint.send_seed = None, False
+    endpoint.chat_template, endpoint.api_key = get_chat_template("default"), None
+    aborted = {"type": "abort", "message": "aborted by the client"}
+    monkeypatch.setattr(RuntimeEndpoint, "generate", lambda self, s, sampling_params: (
+        "", {"completion_tokens": 0, "prompt_tokens": 1, "cached_tokens": 0, "finish_reason": aborted}))
+    monkeypatch.setattr(RuntimeEndpoint, "commit_lazy_operations", lambda self, s: None)  # a fork's prefix
+    runtimes = Runtimes(generator=endpoint, scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
+    context = runtimes.new_search(SearchConfig(program="self_consistency", n=3, max_tokens=8), PROBLEM.id)
+    heard_when_done = []
+    request_done = context.request_done
+
+    def done(rid):
+        heard_when_done.append(context.aborted_requests)
+        request_done(rid)
+
+    monkeypatch.setattr(context, "request_done", done)
+    load_program("self_consistency")(PROBLEM, context.config, runtimes, context)
+    assert context.aborted_requests == 3
+    assert sorted(heard_when_done)[-3:] == [1, 2, 3], heard_when_done

@@ -115,10 +115,15 @@ class TTSEndpoint(SearchBackend, RuntimeEndpoint):
             data["sampling_params"]["sampling_seed"] = seed
 
     def generate(self, s: Any, sampling_params: Any):
-        began = time.perf_counter()
-        text, meta = self.sent(s, lambda: self._call(super(TTSEndpoint, self).generate, s, sampling_params))
-        self.answered(s, s.text_, began, meta, text)
-        return text, meta
+        def send_and_record() -> tuple[str, dict[str, Any]]:
+            # recorded while the rid is still in flight: a search that waits until none is (a cancel) has heard
+            # every answer, the aborted ones included
+            began = time.perf_counter()
+            text, meta = self._call(super(TTSEndpoint, self).generate, s, sampling_params)
+            self.answered(s, s.text_, began, meta, text)
+            return text, meta
+
+        return self.sent(s, send_and_record)
 
     def commit_lazy_operations(self, s: Any) -> None:
         self.sent(s, lambda: self._call(super(TTSEndpoint, self).commit_lazy_operations, s))

@@ -174,7 +174,8 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     wanted = None if backends is None else [b for b in backends]
     ended = 0
     for obj in gc.get_objects():
-        if type(obj) is not StreamExecutor or not obj.use_thread or not obj.worker.is_alive():  # type(): no __class__
+        # type(): no __class__ lookup; getattr: an executor whose __init__ raised has no worker
+        if type(obj) is not StreamExecutor or not getattr(obj, "use_thread", False) or not obj.worker.is_alive():
             continue
         if wanted is not None and not any(obj.backend is b for b in wanted):
             continue
@@ -196,7 +197,7 @@ def end_without_asking_the_thread(executor: Any) -> None:
     starting, for the next fork), that lock is already held by the same thread and the process hangs. A stop
     sentinel put in the queue of a worker that has already ended is never read, so no question needs asking.
     """
-    if executor.use_thread:
+    if getattr(executor, "use_thread", False):  # False too when its __init__ raised
         executor.queue.put(None)
     executor.backend.end_program(executor)
 
