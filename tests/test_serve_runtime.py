@@ -134,12 +134,6 @@ def prefilled(url):
     return loads(url)["total_prefill_uncached_tokens"]
 
 
-def running(url):
-    """Requests the server at `url` is running or has queued."""
-    rank = loads(url)
-    return rank["num_running_reqs"] + rank["num_waiting_reqs"]
-
-
 def wait_for(predicate, timeout=300.0):
     """Wait for a state (not a fixed time): poll `predicate` until it holds or `timeout` passes."""
     deadline = time.monotonic() + timeout
@@ -207,10 +201,13 @@ def test_last_a_replica_set_serves_on_its_live_replica_and_restarts_a_dead_one(s
     # the restarted one first), so of two such prompts, the second sent while the first runs, one reaches
     # the restarted replica.
     baseline = prefilled(restarted.url)
+    prefilled_before = sum(prefilled(worker.url) for worker in replicas.workers)
     long = threading.Thread(target=long_request, args=(replicas.url, "long"))
     long.start()
     try:
-        wait_for(lambda: sum(running(worker.url) for worker in replicas.workers) >= 1)
+        # running: prefilled on a replica (a prefill publishes a fresh snapshot; SGLang computes at least the
+        # prompt's last token), not a running count, which may be the survivor's stale one
+        wait_for(lambda: sum(prefilled(worker.url) for worker in replicas.workers) > prefilled_before)
         generate(replicas.url, "What is the capital of France?")
         wait_for(lambda: prefilled(restarted.url) > baseline)
     finally:
