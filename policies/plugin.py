@@ -72,8 +72,8 @@ def install(name: str, registry: Any, around: Any, trace_path: str | None = None
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the batched CPU
-    decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
+    """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the paged or batched
+    CPU decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
     (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the inverse-CDF sampling (policies/cpu_sampling.py)
     when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py) when
     $SGLTTS_DP_PLACEMENT says so, and the step timing (policies/step_timing.py) when
@@ -85,11 +85,14 @@ def register() -> None:
     placement = (env_names.read(env_names.DP_PLACEMENT) or "").strip()
     step_trace = env_names.read(env_names.STEP_TRACE)
     switched_on: list[tuple[list[tuple[str, Any, str]], str]] = []  # (target, hook, hook kind)s, announcement
-    if attention == cpu_attention.BATCHED:
-        switched_on.append(([(cpu_attention.TARGET, cpu_attention.decode_hook, "AROUND"),
-                             (idle_wait.TARGET, idle_wait.event_loop, "REPLACE")],
-                            f"batched decode attention installed on {cpu_attention.TARGET}; {idle_wait.TARGET} waits "
-                            f"for requests"))
+    if attention in cpu_attention.VALUES:
+        hooks = [(cpu_attention.TARGET, cpu_attention.make_decode_hook(cpu_attention.DECODE[attention]), "AROUND"),
+                 (idle_wait.TARGET, idle_wait.event_loop, "REPLACE")]
+        if attention == cpu_attention.PAGED:
+            hooks.append((cpu_attention.EXTEND_TARGET, cpu_attention.extend_hook, "AROUND"))
+        targets = ", ".join(target for target, _, _ in hooks if target != idle_wait.TARGET)
+        switched_on.append((hooks, f"{attention} attention installed on {targets}; {idle_wait.TARGET} waits for "
+                                   f"requests"))
     if linear in cpu_linear.VALUES:
         head_hook = cpu_linear.lm_head_hook if linear == cpu_linear.PACKED else cpu_linear.dense_lm_head_hook
         switched_on.append(([(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, "AROUND"),

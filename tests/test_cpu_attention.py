@@ -1,13 +1,19 @@
-"""The batched decode attention against SGLang's own per-sequence loop, and its fallbacks."""
+"""The batched and paged decode attention against SGLang's own per-sequence loop, and their fallbacks."""
+
+import shutil
 
 import pytest
 
 torch = pytest.importorskip("torch")
 torch_native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 
-from policies.cpu_attention import batched_decode, decode_hook  # noqa: E402
+from policies.cpu_attention import (batched_decode, extend_hook, make_decode_hook, paged_decode,  # noqa: E402
+                                    paged_kernel)
 
+needs_a_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                      reason="no C++ compiler here: the kernel is not built, the torch paths run")
 LOOP = torch_native.TorchNativeAttnBackend._run_sdpa_forward_decode
+EXTEND_LOOP = torch_native.TorchNativeAttnBackend._run_sdpa_forward_extend
 
 
 def paged_batch(batch, heads=9, kv_heads=3, dim=16, slots=600, seed=0):
@@ -33,19 +39,93 @@ def test_batched_decode_matches_sglangs_loop(batch, kv_heads):
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_slots_are_never_attended():
+@pytest.mark.parametrize("decode", [batched_decode, paged_decode])
+def test_padding_slots_are_never_attended(decode):
     query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(4)
     seq_lens[:] = torch.tensor([1, 5, 63, 20])
-    first = batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
-                           scaling=0.25, enable_gqa=True).clone()
+    first = decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                   scaling=0.25, enable_gqa=True).clone()
     # Point every slot past each sequence's length at the one slot no sequence uses, and poison it.
     poison = k_cache.shape[0] - 1
     for row, length in zip(pool.tolist(), seq_lens.tolist()):
         req_to_token[row, length:] = poison
     k_cache[poison], v_cache[poison] = 1e4, -1e4
-    second = batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
-                            scaling=0.25, enable_gqa=True)
+    second = decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                    scaling=0.25, enable_gqa=True)
     torch.testing.assert_close(second, first)
+
+
+@needs_a_compiler
+def test_the_paged_kernel_is_built_where_a_compiler_is():
+    kernel = paged_kernel()
+    assert kernel is not None and callable(kernel.paged_attention)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 32])
+@pytest.mark.parametrize("kv_heads", [3, 9])
+def test_paged_decode_matches_sglangs_loop(batch, kv_heads):
+    """The compiled kernel against SGLang's loop, on a query that is a strided view (as SGLang's q is: a slice of
+    the fused qkv projection) and a cache whose pool rows are shared by several sequences (forks)."""
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, kv_heads=kv_heads, seed=batch)
+    req_to_token[:, :10] = req_to_token[0, :10]  # a prefix every sequence shares
+    fused = torch.cat([query, torch.randn_like(query)], dim=2)  # [batch, heads, 2 * dim]
+    query = fused[:, :, : query.shape[2]]
+    gqa = kv_heads != 9
+    expected = LOOP(None, query.contiguous(), torch.empty_like(query), k_cache, v_cache, req_to_token, pool,
+                    seq_lens, scaling=0.25, enable_gqa=gqa)
+    output = torch.full_like(expected, float("nan"))
+    paged_decode(query, output, k_cache, v_cache, req_to_token, pool, seq_lens, scaling=0.25, enable_gqa=gqa)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extends", [[1, 1, 1], [5, 1, 12], [30, 2, 7, 1]])
+def test_paged_extend_matches_sglangs_loop(extends):
+    """Extend after a cached prefix (the prefix lengths differ, one sequence has none): the kernel's rows against
+    SGLang's loop, which attends from the whole sequence and keeps the new rows."""
+    batch = len(extends)
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, seed=sum(extends))
+    extend_seq_lens = torch.tensor(extends)
+    prefix_lens = torch.randint(0, 40, (batch,), generator=torch.Generator().manual_seed(batch))
+    prefix_lens[-1] = 0
+    seq_lens = prefix_lens + extend_seq_lens
+    query = torch.randn(int(extend_seq_lens.sum()), 9, k_cache.shape[2])
+    expected = EXTEND_LOOP(None, query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                           prefix_lens, extend_seq_lens, scaling=0.25, enable_gqa=True, causal=True)
+    output = torch.full_like(query, float("nan"))
+    assert extend_hook(EXTEND_LOOP, None, query, output, k_cache, v_cache, req_to_token, pool, seq_lens,
+                       prefix_lens, extend_seq_lens, scaling=0.25, enable_gqa=True, causal=True) is output
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_a_compiler
+def test_the_extend_hook_passes_what_the_kernel_does_not_cover_to_sglang():
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(2)
+    calls = []
+
+    def original(backend, *args, **kwargs):
+        calls.append(kwargs)
+        return "loop"
+
+    extend_seq_lens = torch.tensor([2, 3])
+    args = (torch.randn(5, 9, 16), torch.empty(5, 9, 16), k_cache, v_cache, req_to_token, pool,
+            extend_seq_lens + 4, torch.tensor([4, 4]), extend_seq_lens)
+    assert extend_hook(original, None, *args, causal=False) == "loop"  # an encoder's attention
+    assert extend_hook(original, None, *args, causal=True, sliding_window_size=8) == "loop"
+    assert extend_hook(original, None, *args, causal=True, is_cross_attn=True) == "loop"
+    assert len(calls) == 3
+    assert extend_hook(original, None, *args, causal=True, sliding_window_size=-1) is args[1]
+    assert len(calls) == 3
+
+
+def test_paged_decode_takes_the_torch_path_for_what_the_kernel_does_not_take():
+    """bf16 caches: not the kernel's (fp32 only), batched_decode's result."""
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(5)
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    expected = batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                              scaling=0.25, enable_gqa=True)
+    output = paged_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens,
+                          scaling=0.25, enable_gqa=True)
+    torch.testing.assert_close(output, expected)
 
 
 def test_hook_passes_what_it_does_not_cover_to_sglang():
@@ -57,6 +137,7 @@ def test_hook_passes_what_it_does_not_cover_to_sglang():
         return "loop"
 
     args = (query, torch.empty_like(query), k_cache, v_cache, req_to_token, pool, seq_lens)
+    decode_hook = make_decode_hook(batched_decode)
     assert decode_hook(original, None, *args, sliding_window_size=8) == "loop"
     assert decode_hook(original, None, *args, encoder_lens=seq_lens) == "loop"
     assert decode_hook(original, None, *args, is_cross_attn=True) == "loop"

@@ -164,7 +164,7 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
 
     HookRegistry = registry_module.HookRegistry
     monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
-    monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.BATCHED)
+    monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.PAGED)
     monkeypatch.setenv(env_names.CPU_LINEAR, cpu_linear.PACKED)
     monkeypatch.setenv(env_names.CPU_SAMPLING, cpu_sampling.CDF)
     monkeypatch.setenv(env_names.DP_PLACEMENT, search_placement.SEARCH)
@@ -175,7 +175,8 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
         registered = {target: [kind.name for kind, _, _ in hooks] for target, hooks in HookRegistry._hooks.items()}
     finally:
         HookRegistry.reset()
-    assert registered == {cpu_attention.TARGET: ["AROUND"], idle_wait.TARGET: ["REPLACE"],
+    assert registered == {cpu_attention.TARGET: ["AROUND"], cpu_attention.EXTEND_TARGET: ["AROUND"],
+                          idle_wait.TARGET: ["REPLACE"],
                           cpu_linear.LINEAR_TARGET: ["AROUND"], cpu_linear.LM_HEAD_TARGET: ["AROUND"],
                           cpu_sampling.TARGET: ["AROUND"], search_placement.TARGET: ["AROUND"],
                           step_timing.RUN_BATCH: ["AROUND"], step_timing.MODEL_FORWARD: ["AROUND"]}

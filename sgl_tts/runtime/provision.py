@@ -1,4 +1,5 @@
-"""`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim); idempotent.
+"""`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
+kernel); idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from policies.cpu_attention import paged_kernel
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
 from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
 
@@ -17,6 +19,9 @@ def provision() -> None:
     print(f"setup: model smollm2-135m at {provision_smollm2()}", flush=True)
     print(f"setup: model tiny-random at {provision_tiny_random()}", flush=True)
     print(f"setup: CPU shim at {shim_dir()}", flush=True)
+    # built here, not by a runtime's first decode step (about 40 s on one core); a failure is not fatal
+    built = paged_kernel() is not None
+    print(f"setup: paged attention kernel {'built' if built else 'not built: batched_decode runs instead'}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 

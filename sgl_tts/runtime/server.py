@@ -194,9 +194,10 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
 
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if config.attention_backend in (None, "torch_native"):
-            # One batched SDPA per layer instead of SGLang's loop over the sequences (policies/cpu_attention.py,
-            # docs/runtime-speed.md); `env: {SGLTTS_CPU_ATTENTION: sglang}` keeps SGLang's own.
-            env[env_names.CPU_ATTENTION] = cpu_attention.BATCHED
+            # One compiled kernel call per layer on the paged pool instead of SGLang's loop over the sequences
+            # (policies/cpu_attention.py, docs/runtime-speed.md); `env: {SGLTTS_CPU_ATTENTION: batched}` is the
+            # batched SDPA in torch, `sglang` keeps SGLang's own.
+            env[env_names.CPU_ATTENTION] = cpu_attention.PAGED
         # Every linear layer and the LM head through oneDNN on weights packed once (policies/cpu_linear.py): 2.3-2.9x
         # the linear layers' speed at decode batches; `env: {SGLTTS_CPU_LINEAR: sglang}` keeps SGLang's F.linear.
         env[env_names.CPU_LINEAR] = cpu_linear.PACKED
