@@ -74,6 +74,7 @@ def test_the_configs_ship_in_the_wheel_and_work_installed(tmp_path):
                    check=True, capture_output=True, timeout=300)
     assert sorted(p.name for p in (site / "sgl_tts" / "configs").glob("*.yaml")) == \
         sorted(p.name for p in SOURCE_CONFIGS.glob("*.yaml"))
+    assert (site / "policies" / "paged_attention.cpp").is_file(), "the attention kernel's source, built on first use"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([sys.executable, "-c", "import sgl_tts; print(sgl_tts.__file__)"], cwd=elsewhere,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 from sgl_tts.frontend.ledger import Request, RequestLedger
@@ -76,6 +77,9 @@ class SearchContext:
         self.label = label
         self.seed = seed
         self.outer: SearchContext | None = running_search()
+        self._inner: weakref.WeakSet[SearchContext] = weakref.WeakSet()  # searches run inside this one
+        if self.outer is not None:
+            self.outer._inner.add(self)
         self.ledger = self.outer.ledger if self.outer is not None else RequestLedger(
             record_windows=bool(getattr(config, "record_timeline", False)))
         self.observers = tuple(observers)  # called with every answered standard request
@@ -146,8 +150,7 @@ class SearchContext:
             return self.cancelled or self.stopped is not None or (
                 ticket == self._tickets_admitted and sum(self._in_flight.values()) < stage)
 
-        while not self._changed.wait_for(may_go, timeout=1.0):
-            pass  # an outer search's stop or cancel does not notify this one: looked at again each second
+        self._changed.wait_for(may_go)  # an outer search's stop or cancel notifies this one too (_wake)
         if ticket == self._tickets_admitted:
             self._tickets_admitted += 1
             self._changed.notify_all()
@@ -193,8 +196,17 @@ class SearchContext:
         """Refuse new requests from now on; returns the rids in flight (to abort on the runtime)."""
         with self._changed:
             self._cancelled = True
-            self._changed.notify_all()  # requests waiting for a stage slot are refused
-            return sorted(self._in_flight)
+            rids = sorted(self._in_flight)
+        self._wake()
+        return rids
+
+    def _wake(self) -> None:
+        """Wake the requests waiting for a stage slot here and in every search inside this one (a stop or cancel
+        here refuses theirs too)."""
+        with self._changed:
+            self._changed.notify_all()
+        for inner in list(self._inner):
+            inner._wake()
 
     def in_flight(self) -> list[str]:
         with self._changed:
@@ -229,9 +241,9 @@ class SearchContext:
             first = self.stop_reason is None
             if first:
                 self.stop_reason = reason
-                self._changed.notify_all()  # requests waiting for a stage slot are refused
             rids = sorted(self._in_flight)
         if first:
+            self._wake()
             if self._timer is not None:
                 self._timer.cancel()
             if self.on_stop is not None:

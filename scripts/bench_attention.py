@@ -1,0 +1,80 @@
+"""One layer's decode attention on the paged KV pool: the batched SDPA in torch (`batched_decode`) against the
+compiled kernel (`paged_decode`), side by side (policies/cpu_attention.py).
+
+SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, fp32), one thread. Each sequence's context is a
+prefix it shares with every other sequence (forks of one prompt) followed by its own tokens, on contiguous slots
+(`--placement random` scatters the own tokens over the pool; `shared` puts every sequence on the same slots, all
+in cache). Each round times 10 calls of each arm, the order alternating; prints the median [min-max] per call
+over the rounds and the ratio of the medians, with the CPU model and the load.
+
+    .venv/bin/python scripts/bench_attention.py [--sizes 16x300,64x200,128x300] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from policies.cpu_attention import batched_decode, paged_decode, paged_kernel
+from sgl_tts.runtime.hardware import cpu_summary
+
+HEADS, KV_HEADS, HEAD_DIM, POOL = 9, 3, 64, 65536
+
+
+def batch(sequences: int, context: int, placement: str, seed: int = 0):
+    """query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens for `sequences` of `context` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator)
+    v_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator)
+    shared, own = context // 2, context - context // 2
+    req_to_token = torch.zeros(sequences, context, dtype=torch.int32)
+    for row in range(sequences):
+        if placement == "shared":
+            req_to_token[row] = torch.arange(context)
+            continue
+        mine = torch.arange(shared + row * own, shared + (row + 1) * own) % POOL
+        if placement == "random":
+            mine = torch.randint(shared, POOL, (own,), generator=generator)
+        req_to_token[row] = torch.cat([torch.arange(shared), mine])
+    query = torch.randn(sequences, HEADS, HEAD_DIM, generator=generator)
+    return query, k_cache, v_cache, req_to_token, torch.arange(sequences), torch.full((sequences,), context)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16x300,64x200,128x300", help="SEQUENCESxCONTEXT, comma-separated")
+    parser.add_argument("--placement", choices=["contiguous", "random", "shared"], default="contiguous")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if paged_kernel() is None:
+        raise SystemExit("the paged attention kernel could not be built here (the log above says why)")
+    print(f"{cpu_summary()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; one thread; "
+          f"placement {args.placement}", flush=True)
+    arms = {"batched SDPA": batched_decode, "paged kernel": paged_decode}
+    for size in args.sizes.split(","):
+        sequences, context = (int(x) for x in size.split("x"))
+        query, *pool = batch(sequences, context, args.placement)
+        outputs = {name: torch.empty_like(query) for name in arms}
+        for name, decode in arms.items():
+            decode(query, outputs[name], *pool, scaling=HEAD_DIM ** -0.5, enable_gqa=True)
+        torch.testing.assert_close(outputs["paged kernel"], outputs["batched SDPA"], rtol=1e-5, atol=1e-5)
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        for round_ in range(args.rounds):
+            for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+                began = time.perf_counter()
+                for _ in range(10):
+                    arms[name](query, outputs[name], *pool, scaling=HEAD_DIM ** -0.5, enable_gqa=True)
+                times[name].append((time.perf_counter() - began) / 10 * 1000)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        row = ", ".join(f"{name} {medians[name]:.2f} ms [{min(t):.2f}-{max(t):.2f}]" for name, t in times.items())
+        print(f"{size}: {row}; {medians['batched SDPA'] / medians['paged kernel']:.2f}x", flush=True)
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
