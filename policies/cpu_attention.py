@@ -32,6 +32,7 @@ passed to SGLang's own loop.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -72,19 +73,21 @@ def batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indic
 @functools.lru_cache(maxsize=None)
 def paged_kernel() -> Any:
     """The compiled kernel of KERNEL_SOURCE for this CPU, or None when it cannot be built (logged once). Built on
-    first use into the cache under a name that carries the CPU's SIMD level (a cache shared by machines with
-    different CPUs keeps a build for each), then loaded from there; torch rebuilds it when the source changes."""
+    first use into the cache under a name that carries the CPU's SIMD level and the source's hash (a cache shared
+    by machines with different CPUs, or by checkouts of different sources, keeps a build for each), then loaded
+    from there."""
     import torch
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns of no CUDA
     from torch.utils.cpp_extension import load
 
-    from sgl_tts.paths import cache_dir
+    from sgl_tts.env_names import cache_root
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    name = f"sgltts_paged_attention_{level.lower()}"
+    source_hash = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:10]  # checkouts of other sources apart
+    name = f"sgltts_paged_attention_{level.lower()}_{source_hash}"
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
-    build = cache_dir() / "kernels" / name
+    build = Path(cache_root()) / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     if shutil.which("ninja") is None:  # torch builds with ninja, installed beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")

@@ -57,3 +57,8 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> str | None:
         print(f"sgl-tts: environment variable {old} is deprecated and will stop working in the next release; "
               f"set {name} instead", file=sys.stderr, flush=True)
     return environ[old]
+
+
+def cache_root() -> str:
+    """The cache root's path: $SGLTTS_CACHE, else ~/.cache/sgl-tts (`sgl_tts.paths.cache_dir` makes it)."""
+    return read(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "sgl-tts")

@@ -11,15 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from sgl_tts.env_names import CACHE, read
+from sgl_tts.env_names import cache_root
 
 LOCK_FILE = ".lock"  # in a locked folder: the pid of the process holding it
 
 
 def cache_dir() -> Path:
     """The cache root: $SGLTTS_CACHE, else ~/.cache/sgl-tts."""
-    root = read(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "sgl-tts")
-    path = Path(root)
+    path = Path(cache_root())
     path.mkdir(parents=True, exist_ok=True)
     return path
 
