@@ -155,8 +155,12 @@ def as_generated(states: list[Any], name: str) -> Iterator[tuple[int, dict[str, 
             for done in as_completed(waits):
                 yield waits[done], done.result()
     except BaseException:
-        for state in states:
-            executor_of(state).end()
+        executors = [executor_of(state) for state in states]
+        for executor in executors:
+            executor.end()
+        for executor in executors:  # ended, not only told to end: their generations are over, so this is quick
+            if getattr(executor, "use_thread", False):
+                executor.worker.join(timeout=60.0)
         raise
 
 
