@@ -117,10 +117,8 @@ def paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices
     if not kernel_takes(query, output, k_cache, v_cache, req_to_token=req_to_token):
         return batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                               scaling=scaling, enable_gqa=enable_gqa)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    paged_kernel().paged_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                                   torch.ones_like(seq_lens), float(scale))
-    return output
+    return paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        torch.ones_like(seq_lens), scaling=scaling)  # decode: an extend of one token
 
 
 def paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
@@ -133,13 +131,18 @@ def paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices
     return output
 
 
+def self_attention(encoder_lens: Any, is_cross_attn: bool, sliding_window_size: int | None) -> bool:
+    """Whether an SGLang attention call is plain self-attention over the whole context (no encoder, no sliding
+    window): what the hooks here take; anything else goes to SGLang's loop."""
+    return encoder_lens is None and not is_cross_attn and (sliding_window_size is None or sliding_window_size < 0)
+
+
 def extend_hook(original: Callable[..., Any], backend: Any, query, output, k_cache, v_cache, req_to_token,
                 req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
                 enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None) -> Any:
     """An AROUND hook for `_run_sdpa_forward_extend`: `paged_extend` for causal self-attention the kernel takes,
     SGLang's loop elsewhere."""
-    if (causal and encoder_lens is None and not is_cross_attn
-            and (sliding_window_size is None or sliding_window_size < 0)
+    if (causal and self_attention(encoder_lens, is_cross_attn, sliding_window_size)
             and kernel_takes(query, output, k_cache, v_cache, req_to_token=req_to_token)):
         return paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                             extend_seq_lens, scaling=scaling)
@@ -155,7 +158,7 @@ def make_decode_hook(decode: Callable[..., Any]) -> Callable[..., Any]:
     def decode_hook(original: Callable[..., Any], backend: Any, query, output, k_cache, v_cache, req_to_token,
                     req_pool_indices, seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
                     is_cross_attn=False, sliding_window_size=None) -> Any:
-        if encoder_lens is None and not is_cross_attn and (sliding_window_size is None or sliding_window_size < 0):
+        if self_attention(encoder_lens, is_cross_attn, sliding_window_size):
             return decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                           scaling=scaling, enable_gqa=enable_gqa)
         return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

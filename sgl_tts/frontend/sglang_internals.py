@@ -159,9 +159,14 @@ def as_generated(states: list[Any], name: str) -> Iterator[tuple[int, dict[str, 
         for executor in executors:
             executor.end()
         for executor in executors:  # ended, not only told to end: their generations are over, so this is quick
-            if getattr(executor, "use_thread", False):
+            if has_worker(executor):
                 executor.worker.join(timeout=60.0)
         raise
+
+
+def has_worker(executor: Any) -> bool:
+    """Whether a StreamExecutor runs a worker thread (not one whose `__init__` raised before making it)."""
+    return getattr(executor, "use_thread", False)
 
 
 def end_program_states(backends: Iterable[Any] | None = None) -> int:
@@ -178,8 +183,7 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     wanted = None if backends is None else [b for b in backends]
     ended = 0
     for obj in gc.get_objects():
-        # type(): no __class__ lookup; getattr: an executor whose __init__ raised has no worker
-        if type(obj) is not StreamExecutor or not getattr(obj, "use_thread", False) or not obj.worker.is_alive():
+        if type(obj) is not StreamExecutor or not has_worker(obj) or not obj.worker.is_alive():  # type(): no __class__
             continue
         if wanted is not None and not any(obj.backend is b for b in wanted):
             continue
@@ -201,7 +205,7 @@ def end_without_asking_the_thread(executor: Any) -> None:
     starting, for the next fork), that lock is already held by the same thread and the process hangs. A stop
     sentinel put in the queue of a worker that has already ended is never read, so no question needs asking.
     """
-    if getattr(executor, "use_thread", False):  # False too when its __init__ raised
+    if has_worker(executor):
         executor.queue.put(None)
     executor.backend.end_program(executor)
 
