@@ -84,15 +84,22 @@ def paged_kernel() -> Any:
     from sgl_tts.env_names import cache_root
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    source_hash = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:10]  # checkouts of other sources apart
-    name = f"sgltts_paged_attention_{level.lower()}_{source_hash}"
+    text = KERNEL_SOURCE.read_bytes()
+    name = f"sgltts_paged_attention_{level.lower()}_{hashlib.sha256(text).hexdigest()[:10]}"
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
     build = Path(cache_root()) / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
+    # Built from a copy beside the build: ninja rebuilds when a source's path changes, and every checkout (a
+    # clean clone for CI, a worktree) has its own path to the same source.
+    source = build / KERNEL_SOURCE.name
+    if not source.exists() or source.read_bytes() != text:
+        staged = source.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_bytes(text)
+        staged.replace(source)
     if shutil.which("ninja") is None:  # torch builds with ninja, installed beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
-        return load(name=name, sources=[str(KERNEL_SOURCE)], extra_cflags=flags, build_directory=str(build))
+        return load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(build))
     except Exception as exc:  # no compiler, a failed build: the torch path instead
         logging.getLogger(__name__).warning("paged attention not built (%s); the torch paths run instead",
                                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

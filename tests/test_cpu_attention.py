@@ -1,5 +1,6 @@
 """The batched and paged decode attention against SGLang's own per-sequence loop, and their fallbacks."""
 
+import os
 import shutil
 
 import pytest
@@ -59,6 +60,30 @@ def test_padding_slots_are_never_attended(decode):
 def test_the_paged_kernel_is_built_where_a_compiler_is():
     kernel = paged_kernel()
     assert kernel is not None and callable(kernel.paged_attention)
+
+
+def test_the_kernel_builds_from_its_own_copy_of_the_source(tmp_path, monkeypatch):
+    """ninja rebuilds when a source's path changes: two checkouts (a CI clone, a worktree) must not take turns
+    rebuilding one kernel, so the build reads a copy kept in its own directory, written only when it differs."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    import policies.cpu_attention as cpu_attention
+
+    monkeypatch.setenv("SGLTTS_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
+    paged_kernel.cache_clear()
+    try:
+        assert paged_kernel() == "built"
+        [source] = calls[0]["sources"]
+        assert source.startswith(calls[0]["build_directory"])
+        assert open(source, "rb").read() == cpu_attention.KERNEL_SOURCE.read_bytes()
+        written = os.stat(source).st_mtime_ns
+        paged_kernel.cache_clear()
+        paged_kernel()
+        assert calls[1]["sources"] == [source] and os.stat(source).st_mtime_ns == written
+    finally:
+        paged_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 32])
