@@ -119,3 +119,52 @@ def test_a_head_of_few_live_rows_is_computed_on_them_alone_and_equals_the_full_p
     torch.testing.assert_close(dense_lm_head_hook(None, processor, hidden, dense),
                                torch.matmul(hidden, dense.weight.T), rtol=1e-5, atol=1e-4)
     assert not hasattr(dense, "_sgltts_live_rows"), "packed-dense never looks for live rows"
+
+
+def test_the_normalizer_of_a_sparse_heads_logits_is_sglangs_from_the_live_rows_alone():
+    """compute_row_log_normalizer's (max, logsumexp - max), exact, for rows that are 0 outside the live columns:
+    live values far above, near and far below 0 (where the zeros dominate the sum), and a row of zeros."""
+    from sglang.srt.layers.logprob_processor import compute_row_log_normalizer
+
+    from policies.cpu_linear import sparse_row_log_normalizer
+
+    rows = torch.tensor([3, 7, 4000])
+    logits = torch.zeros(6, 4096)
+    logits[:, rows] = torch.tensor([[90.0, 1.0, -3.0], [0.5, -0.5, 2.0], [-80.0, -90.0, -70.0], [0.0, 0.0, 0.0],
+                                    [12.0, 11.5, 12.0], [-1e-3, 3e-4, 0.0]])
+    expected_max, expected_sum = compute_row_log_normalizer(logits)
+    got_max, got_sum = sparse_row_log_normalizer(logits, rows)
+    torch.testing.assert_close(got_max, expected_max)
+    torch.testing.assert_close(got_sum, expected_sum, rtol=1e-6, atol=1e-5)
+
+
+def test_the_normalizer_hook_serves_only_a_process_whose_head_took_the_live_rows_path():
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    from policies import cpu_linear
+
+    processor = types.SimpleNamespace(rl_on_policy_target=None, use_fp32_lm_head=False)
+    sglangs = []
+
+    def original(logits):
+        sglangs.append(logits.shape)
+        return "sglang"
+
+    head = layer_of(4096, 64)
+    head.weight.data[:] = 0
+    head.weight.data[[3, 4000]] = torch.randn(2, 64)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    dense = layer_of(4096, 64)
+    dense.quant_method = head.quant_method
+    hidden = torch.randn(5, 64)
+    lm_head_hook(None, processor, hidden, dense)
+    assert cpu_linear.normalizer_hook(original, torch.zeros(5, 4096)) == "sglang"
+    logits = lm_head_hook(None, processor, hidden, head)
+    got_max, got_sum = cpu_linear.normalizer_hook(original, logits)
+    torch.testing.assert_close(got_sum + got_max, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+    assert cpu_linear.normalizer_hook(original, torch.zeros(5, 1000)) == "sglang"  # another vocabulary
+    lm_head_hook(None, processor, hidden, dense)  # a dense head again: SGLang's normalizer
+    assert cpu_linear.normalizer_hook(original, logits) == "sglang"
+    assert sglangs == [(5, 4096), (5, 1000), (5, 4096)]
+    biased = lm_head_hook(lambda *args, **kwargs: "sglang's head", processor, hidden, head, torch.ones(4096))
+    assert biased == "sglang's head", "a head with an embedding bias is SGLang's (the packed paths add none)"

@@ -178,6 +178,7 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
     assert registered == {cpu_attention.TARGET: ["AROUND"], cpu_attention.EXTEND_TARGET: ["AROUND"],
                           idle_wait.TARGET: ["REPLACE"],
                           cpu_linear.LINEAR_TARGET: ["AROUND"], cpu_linear.LM_HEAD_TARGET: ["AROUND"],
+                          cpu_linear.NORMALIZER_TARGET: ["AROUND"],
                           cpu_sampling.TARGET: ["AROUND"], search_placement.TARGET: ["AROUND"],
                           step_timing.RUN_BATCH: ["AROUND"], step_timing.MODEL_FORWARD: ["AROUND"]}
     for target in registered:  # every target is a function or method of the installed SGLang, found as SGLang does
@@ -215,4 +216,5 @@ def test_the_linear_setting_chooses_the_heads_hook(monkeypatch, value, head_hook
     finally:
         HookRegistry.reset()
     assert hooks == {cpu_linear.LINEAR_TARGET: [cpu_linear.linear_hook],
-                     cpu_linear.LM_HEAD_TARGET: [getattr(cpu_linear, head_hook)]}
+                     cpu_linear.LM_HEAD_TARGET: [getattr(cpu_linear, head_hook)],
+                     cpu_linear.NORMALIZER_TARGET: [cpu_linear.normalizer_hook]}
