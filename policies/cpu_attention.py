@@ -82,6 +82,7 @@ def paged_kernel() -> Any:
     from torch.utils.cpp_extension import load
 
     from sgl_tts.env_names import cache_root
+    from sgl_tts.paths import write_atomic
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     text = KERNEL_SOURCE.read_bytes()
@@ -93,9 +94,7 @@ def paged_kernel() -> Any:
     # clean clone for CI, a worktree) has its own path to the same source.
     source = build / KERNEL_SOURCE.name
     if not source.exists() or source.read_bytes() != text:
-        staged = source.with_suffix(f".{os.getpid()}.tmp")
-        staged.write_bytes(text)
-        staged.replace(source)
+        write_atomic(source, text)
     if shutil.which("ninja") is None:  # torch builds with ninja, installed beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:

@@ -110,8 +110,9 @@ LAYERS = (
     ("eval",),
     ("sgl_tts.cli",),
 )
-# What the scheduler-side package may import beyond itself: standard-library-only top files of sgl_tts.
-POLICY_IMPORTS = {"sgl_tts", "sgl_tts.registry", "sgl_tts.env_names"}
+# What the scheduler-side package may import beyond itself: top files of sgl_tts that import only the standard
+# library and each other.
+POLICY_IMPORTS = {"sgl_tts", "sgl_tts.registry", "sgl_tts.env_names", "sgl_tts.paths"}
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
 
