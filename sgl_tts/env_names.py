@@ -29,10 +29,11 @@ STEP_TRACE = "SGLTTS_STEP_TRACE"  # a file the plugin appends each scheduler ste
 EVAL_TAG = "SGLTTS_EVAL_TAG"  # tests: marks the processes an eval test starts, to find leftovers
 NOTEBOOK_MODEL = "SGLTTS_NOTEBOOK_MODEL"  # the model notebooks/quickstart.ipynb runs
 NOTEBOOK_TAG = "SGLTTS_NOTEBOOK_TAG"  # tests: marks the processes a notebook test starts
+RUNTIME_ZYGOTE = "SGLTTS_RUNTIME_ZYGOTE"  # "off": CPU runtimes started afresh, not forked (sgl_tts/runtime/zygote.py)
 
 NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_SAMPLING, DP_PLACEMENT,
          STEP_TRACE,
-         EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG)
+         EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG, RUNTIME_ZYGOTE)
 
 _warned: set[str] = set()  # old names already warned about in this process
 

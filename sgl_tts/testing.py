@@ -21,6 +21,7 @@ from sglang.lang.backend.base_backend import BaseBackend
 
 from sgl_tts.frontend.backend import SearchBackend
 from sgl_tts.frontend.sglang_internals import search_of
+from sgl_tts.runtime import zygote
 from sgl_tts.scoring.base import ScoreCounts, StepScorer
 
 EOS_ID = 2
@@ -174,15 +175,30 @@ class ScriptedScorer(StepScorer):
         return out
 
 
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    """Wait for a state, not a fixed time (the bound only makes a broken mechanism fail its test)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "state not reached in time"
+        time.sleep(0.05)
+
+
+def _is_zygote(proc_entry: Path) -> bool:
+    """Whether /proc/<pid> is a runtime zygote (sgl_tts/runtime/zygote.py): its owner's to keep until it exits,
+    not a runtime left behind (the runtimes it forks show their own command line)."""
+    return zygote.MODULE.encode() in (proc_entry / "cmdline").read_bytes().split(b"\0")
+
+
 def processes_with_env(name: str, value: str) -> list[int]:
     """Pids of live processes whose environment holds `name=value`: a test exports a unique tag before it
-    starts runtimes (children inherit it) and then checks that none is left running."""
+    starts runtimes (children inherit it, and so does a zygote started meanwhile, whose forks show its
+    environment) and then checks that none is left running."""
     needle = f"{name}={value}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                if needle in (entry / "environ").read_bytes().split(b"\0") and not _is_zygote(entry):
                     pids.append(int(entry.name))
             except OSError:
                 continue

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from sgl_tts.runtime.server import group_members
+from sgl_tts.testing import wait_until
 
 # The owner: starts a stand-in server like Runtime.start does, wraps it in a Runtime (which starts the watchdog),
 # prints the server's pid (its group id) and the watchdog's pid, then sleeps until it is killed.
@@ -22,16 +23,6 @@ runtime = Runtime("stand-in", RuntimeConfig(), "none", 1, server, log)
 print(server.pid, runtime.watchdog.pid, flush=True)
 time.sleep(600)
 """
-
-
-def wait_until(predicate, timeout=30.0):
-    """Wait for a state, not a fixed time (a bound only so that a broken watchdog fails the test)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "state not reached in time"
-        time.sleep(0.05)
 
 
 def test_a_sigkill_of_the_owners_whole_group_leaves_no_server(tmp_path):

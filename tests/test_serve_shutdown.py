@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from sgl_tts.runtime import zygote
 from sgl_tts.runtime.server import CPU_LAUNCHER, SGLANG_LAUNCHER, WATCHDOG_GRACE_S, group_members, http_json
 from sgl_tts.search.api import Runtimes
 from sgl_tts.serve.app import create_app
@@ -315,11 +316,11 @@ def test_a_sigkill_of_the_owners_group_while_the_runtimes_start_leaves_no_sglang
     def starting_server():
         """The runtime's server once it has started a process of its own (its scheduler), else None."""
         assert serve.process.poll() is None, f"serve exited: {serve.stderr.read_text()[-3000:]}"
-        for process in psutil.Process(serve.process.pid).children():
+        for process in psutil.Process(serve.process.pid).children(recursive=True):  # or forked by its zygote
             try:
                 command = " ".join(process.cmdline())
-                if any(module in command for module in (CPU_LAUNCHER, SGLANG_LAUNCHER)) \
-                        and len(group_members(process.pid)) >= 2:
+                if any(module in command for module in (CPU_LAUNCHER, SGLANG_LAUNCHER, zygote.MODULE)) \
+                        and len(group_members(process.pid)) >= 2:  # the zygote leads no group: a server
                     return process.pid
             except psutil.NoSuchProcess:
                 pass

@@ -27,6 +27,10 @@ def fork_children(set_start_method=multiprocessing.set_start_method):
     return forked
 
 
-if __name__ == "__main__":
+def main() -> None:
     multiprocessing.set_start_method = fork_children()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

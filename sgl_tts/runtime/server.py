@@ -26,6 +26,7 @@ from typing import Any, Literal
 from policies import cpu_attention, cpu_linear, cpu_sampling, search_placement
 from sgl_tts import env_names
 from sgl_tts.runtime.http_client import http_json
+from sgl_tts.runtime import zygote
 from sgl_tts.runtime.models import resolve_model
 
 LOCALHOST = "127.0.0.1"
@@ -299,6 +300,17 @@ def spawn_group(cmd: list[str], log_path: Path, env: dict[str, str] | None = Non
                                 start_new_session=True)
 
 
+def start_server(config: RuntimeConfig, cmd: list[str], log_path: Path) -> subprocess.Popen | zygote.ForkedProcess:
+    """`cmd` running as a server: the CPU launcher forked from this process's zygote (sgl_tts/runtime/zygote.py:
+    the imports done once per process, not once per runtime), any other command started by `spawn_group`."""
+    env = server_env(config)
+    if cmd[1:3] == ["-m", CPU_LAUNCHER] and zygote.enabled(env):
+        forked = zygote.fork_runtime(cmd, env, log_path)
+        if forked is not None:
+            return forked
+    return spawn_group(cmd, log_path, env)
+
+
 def start_watchdog(group: int, grace_s: float = WATCHDOG_GRACE_S) -> subprocess.Popen:
     """The WATCHDOG of process group `group`, owned by this process, in a session of its own."""
     return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()), str(group), str(grace_s)],
@@ -317,7 +329,7 @@ class Runtime:
     """One running SGLang server. Use `Runtime.start(config)`; stop it with `stop()` or a `with` block."""
 
     def __init__(self, name: str, config: RuntimeConfig, model_path: str, port: int,
-                 process: subprocess.Popen, log_path: Path):
+                 process: subprocess.Popen | zygote.ForkedProcess, log_path: Path):
         self.name = name
         self.config = config
         self.model_path = model_path
@@ -338,7 +350,7 @@ class Runtime:
         while True:
             port = config.port or free_port(config.host)
             log_path = log_dir / f"{name}-{port}.log"
-            process = spawn_group(server_command(config, model_path, port), log_path, server_env(config))
+            process = start_server(config, server_command(config, model_path, port), log_path)
             runtime = cls(name, config, model_path, port, process, log_path)
             if not wait:
                 return runtime

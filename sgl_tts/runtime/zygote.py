@@ -1,0 +1,274 @@
+"""A process with SGLang already imported, from which CPU runtimes are forked instead of started afresh.
+
+A CPU runtime's start-up is mostly imports: `python -m sgl_tts.runtime.launch` spends about 16 s of one core
+importing torch, transformers and SGLang before its first log line (a 28 s start of the tiny model on 2 cores).
+A process that starts several runtimes over its life (a test session, `serve` restarting a dead runtime, an
+eval restarting its runtimes between arms) pays that once: its zygote imports them, then waits on a Unix socket
+in a private folder. A runtime start sends the launch's argv, environment, working directory and log path; the
+zygote forks, and the child becomes that runtime as `python -m <module> ARGS` would (a session of its own,
+output to the log, the environment and working directory replaced, then the module run as `__main__`). The
+zygote reaps its children and writes each one's exit code beside its log (`ForkedProcess` reads it).
+
+What the imports read from the environment they read in the zygote, so a runtime is forked only from a zygote
+whose environment equals the runtime's in every variable but those read after the imports (`READ_LATER`: the
+thread count, which the child sets, and the plugin's settings, which SGLang's `load_plugins` reads in the child);
+otherwise it is started the usual way. The zygote has never run a torch operation (a forked OpenMP pool would
+not work) and holds no threads of its own. It exits when its owner does (`stop_all` at exit, else within
+`POLL_S` of the owner's death); the runtimes it forked have their owner's watchdogs like any other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sgl_tts import env_names
+
+MODULE = "sgl_tts.runtime.zygote"
+POLL_S = 0.2  # how often the zygote reaps its children and checks that its owner lives
+READY = "ready"
+UNKNOWN_EXIT = -1  # a forked process's exit code when its zygote died before it (nobody reaped it for us)
+# Imported before any fork: what a runtime's launch imports (sglang.launch_server itself is left to run as
+# `__main__`). A module missing from this SGLang is skipped: the runtime imports what it needs.
+PRELOAD = ("torch", "transformers", "sglang", "sglang.srt.plugins", "sglang.srt.server_args",
+           "sglang.srt.entrypoints.http_server", "sglang.srt.entrypoints.engine",
+           "sglang.srt.managers.scheduler", "sglang.srt.managers.tokenizer_manager",
+           "sglang.srt.managers.detokenizer_manager", "sglang.srt.managers.data_parallel_controller",
+           "sglang.srt.model_executor.model_runner", "sglang.srt.models.registry",
+           "sglang.srt.layers.attention.torch_native_backend", "sglang.srt.mem_cache.memory_pool")
+# Read after the imports, in the child: OpenMP's thread count (the child sets torch's from it), SGLang's cores
+# per rank, the plugin's settings, and pytest's name of the running test.
+READ_LATER = frozenset({"OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST", env_names.POLICY,
+                        env_names.POLICY_TRACE, env_names.CPU_ATTENTION, env_names.CPU_LINEAR,
+                        env_names.CPU_SAMPLING, env_names.DP_PLACEMENT, env_names.STEP_TRACE})
+OFF = "off"  # $SGLTTS_RUNTIME_ZYGOTE=off: every runtime started the usual way
+
+
+def import_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` that imports may read: all of it but READ_LATER."""
+    return {key: value for key, value in env.items() if key not in READ_LATER}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The owner's side
+
+
+class ForkedProcess:
+    """The `subprocess.Popen` surface `Runtime` uses (pid, poll, wait, returncode) for a process its zygote
+    forked: not this process's child, so its exit code comes from the file the zygote writes."""
+
+    def __init__(self, pid: int, exit_path: Path, args: list[str]):
+        self.pid = pid
+        self.args = args
+        self.exit_path = exit_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self.exit_path.read_text())
+            except (OSError, ValueError):  # running, or ended and not yet reaped (a zombie), or orphaned
+                if not _exists(self.pid):
+                    self.returncode = UNKNOWN_EXIT
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is a process, a zombie included (a zombie's exit code is on its way)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+class Zygote:
+    """A zygote owned by this process. `Zygote(env)` starts it and waits until it has imported PRELOAD."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None):
+        preload = PRELOAD if preload is None else preload
+        self.environment = import_environment(env)
+        self.folder = Path(tempfile.mkdtemp(prefix="sgl-tts-zygote-"))  # mode 0700: only this user connects
+        self.socket_path = self.folder / "socket"
+        self.log_path = self.folder / "zygote.log"
+        self.children: list[ForkedProcess] = []
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", MODULE, str(self.socket_path), str(os.getpid()), ",".join(preload)],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+        line = self.process.stdout.readline().decode().strip()
+        if line != READY:
+            self.stop()
+            raise RuntimeError(f"the runtime zygote did not start ({line!r}); log {self.log_path}:\n"
+                               f"{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return self.process.poll() is None and import_environment(env) == self.environment
+
+    def fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
+        """Fork a child that runs `argv` (`python -m MODULE ARGS`) with `env`, output to `log_path`."""
+        exit_path = Path(f"{log_path}.exit")
+        exit_path.unlink(missing_ok=True)
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "exit": str(exit_path)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(self.socket_path))
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(connection.makefile("rb").readline())
+        child = ForkedProcess(int(reply["pid"]), exit_path, argv)
+        self.children = [c for c in self.children if c.poll() is None] + [child]
+        return child
+
+    def busy(self) -> bool:
+        return any(child.poll() is None for child in self.children)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_lock = threading.RLock()
+_zygote: Zygote | None = None
+
+
+def enabled(env: dict[str, str]) -> bool:
+    return env_names.read(env_names.RUNTIME_ZYGOTE, env) != OFF
+
+
+def start_for(env: dict[str, str]) -> Zygote | None:
+    """This process's zygote for `env`'s import environment, started if there is none; None while one with
+    another import environment has runtimes of its own (an idle one is replaced)."""
+    global _zygote
+    with _lock:
+        if _zygote is None or not _zygote.serves(env):
+            if _zygote is not None:
+                if _zygote.busy() and _zygote.process.poll() is None:
+                    return None
+                _zygote.stop()
+                _zygote = None
+            _zygote = Zygote(env)
+        return _zygote
+
+
+def fork_runtime(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
+    """`argv` forked from this process's zygote for `env` (`start_for`), or None where there is none to fork it."""
+    with _lock:  # not replaced between the choice and the fork
+        serving = start_for(env)
+        return None if serving is None else serving.fork(argv, env, log_path)
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop this process's zygote (the runtimes it forked are their owner's to stop)."""
+    global _zygote
+    with _lock:
+        if _zygote is not None:
+            _zygote.stop()
+            _zygote = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The zygote's side
+
+
+def serve(socket_path: str, owner: int) -> dict[str, Any] | None:
+    """Fork a child per request while `owner` lives. Returns in a child, with its request; None at the end."""
+    exits: dict[int, str] = {}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(socket_path)
+        listener.listen(16)
+        print(READY, flush=True)
+        while os.getppid() == owner:
+            readable, _, _ = select.select([listener], [], [], POLL_S)
+            reap(exits)
+            if not readable:
+                continue
+            connection, _ = listener.accept()
+            with connection:
+                request = json.loads(connection.makefile("rb").readline())
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    return request
+                exits[pid] = request["exit"]
+                connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    return None
+
+
+def reap(exits: dict[int, str]) -> None:
+    """Collect the children that ended and write each one's exit code where its owner reads it."""
+    while exits:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = exits.pop(pid, None)
+        if path is not None:
+            staged = f"{path}.{pid}.tmp"
+            Path(staged).write_text(str(os.waitstatus_to_exitcode(status)))
+            os.replace(staged, path)
+
+
+def become(request: dict[str, Any]) -> None:
+    """In the forked child: turn into `python -m MODULE ARGS` as the request describes, and run it."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((output, 1), (output, 2), (nothing, 0)):
+        os.dup2(fd, target)
+    os.close(output)
+    os.close(nothing)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the zygote loaded it
+        threads = os.environ.get("OMP_NUM_THREADS")
+        sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
+    argv = request["argv"]
+    module = argv[argv.index("-m") + 1]
+    sys.argv = [argv[0], *argv[argv.index("-m") + 2:]]
+    sys.path[0] = request["cwd"]  # where `python -m` looks first
+    # The child keeps the zygote's command line (ps shows `-m sgl_tts.runtime.zygote`): a new title would blank
+    # the memory /proc/<pid>/environ reads, where a runtime's environment is looked up (sgl_tts.testing).
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def preload(modules: list[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a module this SGLang lacks or cannot import on this machine
+            print(f"zygote: not preloaded {name}: {exc}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops what it started
+    preload([name for name in sys.argv[3].split(",") if name])
+    forked = serve(sys.argv[1], int(sys.argv[2]))
+    if forked is not None:
+        become(forked)

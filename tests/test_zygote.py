@@ -1,0 +1,171 @@
+"""The runtime zygote (sgl_tts/runtime/zygote.py): a forked child becomes `python -m MODULE ARGS` with the request's
+environment, working directory, output and session; its exit code and its death reach the owner; the thread
+count follows the child's environment; a zygote serves only its own import environment and dies with its owner.
+Fast: the zygotes here preload nothing or torch alone, and the children run a small module, not SGLang (the
+runtime tests start their SGLang servers through the zygote)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sgl_tts.runtime import zygote
+from sgl_tts.runtime.server import RuntimeConfig, server_command, server_env, start_server
+from sgl_tts.testing import wait_until
+
+# The child's module: reports what it became, then exits with the code it is given, or waits to be killed.
+REPORT = textwrap.dedent("""
+    import json, os, sys, time
+    threads = None
+    if "torch" in sys.modules:
+        threads = sys.modules["torch"].get_num_threads()
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "marker": os.environ.get("ZYGOTE_TEST_MARKER"),
+                      "session": os.getsid(0) == os.getpid(), "path0": sys.path[0], "threads": threads,
+                      "name": __name__}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(600)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.fixture
+def child_folder(tmp_path):
+    (tmp_path / "zygote_report.py").write_text(REPORT)
+    return tmp_path
+
+
+def report(log: Path) -> dict:
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def test_a_child_becomes_the_module_with_the_requests_environment_folder_output_and_session(child_folder,
+                                                                                             monkeypatch):
+    monkeypatch.chdir(child_folder)
+    env = dict(os.environ, ZYGOTE_TEST_MARKER="seen")
+    owner_zygote = zygote.Zygote(dict(os.environ), preload=())
+    try:
+        log = child_folder / "child.log"
+        child = owner_zygote.fork([sys.executable, "-m", "zygote_report", "3", "x"], env, log)
+        assert child.wait(timeout=120) == 3 == child.returncode
+        seen = report(log)
+        assert seen["argv"] == ["3", "x"] and seen["name"] == "__main__"
+        assert seen["cwd"] == str(child_folder) == seen["path0"]
+        assert seen["marker"] == "seen" and seen["session"]
+        assert "to stderr" in log.read_text()
+        assert child.exit_path.read_text() == "3"
+    finally:
+        owner_zygote.stop()
+    assert not owner_zygote.folder.exists()
+
+
+def test_a_killed_child_reports_its_signal_and_a_slow_one_times_out(child_folder, monkeypatch):
+    monkeypatch.chdir(child_folder)
+    owner_zygote = zygote.Zygote(dict(os.environ), preload=())
+    try:
+        log = child_folder / "waiting.log"
+        child = owner_zygote.fork([sys.executable, "-m", "zygote_report", "wait"], dict(os.environ), log)
+        wait_until(lambda: log.exists() and "to stderr" in log.read_text(), 120)
+        assert child.poll() is None and owner_zygote.busy()
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.1)
+        os.killpg(child.pid, signal.SIGKILL)  # its own session: its group is its pid
+        assert child.wait(timeout=120) == -signal.SIGKILL
+        assert not owner_zygote.busy()
+    finally:
+        owner_zygote.stop()
+
+
+@pytest.mark.parametrize("threads", ["1", None])
+def test_the_childs_torch_threads_follow_its_environment_not_the_zygotes(child_folder, monkeypatch, threads):
+    monkeypatch.chdir(child_folder)
+    owner_zygote = zygote.Zygote(dict(os.environ, OMP_NUM_THREADS="3"), preload=("torch",))
+    try:
+        env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+        if threads:
+            env["OMP_NUM_THREADS"] = threads
+        log = child_folder / "threads.log"
+        assert owner_zygote.fork([sys.executable, "-m", "zygote_report", "0"], env, log).wait(timeout=120) == 0
+        expected = int(threads) if threads else len(os.sched_getaffinity(0))
+        assert report(log)["threads"] == expected != 3
+    finally:
+        owner_zygote.stop()
+
+
+def test_a_zygote_serves_only_its_import_environment():
+    base = {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    assert zygote.import_environment(base) == {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1"}
+    read_later = dict(base, OMP_NUM_THREADS="2", SGLTTS_CPU_LINEAR="sglang", PYTEST_CURRENT_TEST="t")
+    assert zygote.import_environment(read_later) == zygote.import_environment(base)
+    for changed in ({"SGLANG_USE_CPU_ENGINE": "0"}, {"LD_LIBRARY_PATH": "/x"}, {"SGLTTS_EVAL_TAG": "t"}):
+        assert zygote.import_environment(dict(base, **changed)) != zygote.import_environment(base), changed
+
+
+def test_fork_runtime_starts_once_falls_back_while_busy_and_replaces_an_idle_zygote(child_folder, monkeypatch):
+    monkeypatch.chdir(child_folder)
+    monkeypatch.setattr(zygote, "PRELOAD", ())
+    zygote.stop_all()
+    env = dict(os.environ)
+    other = dict(env, ZYGOTE_TEST_MARKER="another import environment")
+    argv = [sys.executable, "-m", "zygote_report", "wait"]
+    try:
+        first = zygote.fork_runtime(argv, env, child_folder / "a.log")
+        started = zygote._zygote
+        second = zygote.fork_runtime(argv, env, child_folder / "b.log")
+        assert zygote._zygote is started and first.pid != second.pid
+        assert zygote.fork_runtime(argv, other, child_folder / "c.log") is None  # busy: started afresh
+        for child in (first, second):
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=120)
+        third = zygote.fork_runtime(argv, other, child_folder / "d.log")
+        assert zygote._zygote is not started and started.process.poll() is not None  # the idle one replaced
+        wait_until(lambda: (child_folder / "d.log").exists() and "to stderr" in (child_folder / "d.log").read_text(),
+                   120)
+        assert report(child_folder / "d.log")["marker"] == "another import environment"
+        os.killpg(third.pid, signal.SIGKILL)
+        third.wait(timeout=120)
+    finally:
+        zygote.stop_all()
+
+
+OWNER = """
+import os, sys, time
+from sgl_tts.runtime.zygote import Zygote
+owner_zygote = Zygote(dict(os.environ), preload=())
+print(owner_zygote.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_zygote_dies_with_its_owner():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    try:
+        pid = int(owner.stdout.readline())
+        assert Path(f"/proc/{pid}").exists()
+        owner.kill()
+        owner.wait()
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 60)  # reaped by init once it exits
+    finally:
+        owner.kill()
+        owner.stdout.close()
+
+
+def test_cpu_launches_are_forked_unless_switched_off(tmp_path, monkeypatch):
+    """start_server's choice, with the zygote's fork replaced by a recorder (no SGLang started)."""
+    forked = []
+    monkeypatch.setattr(zygote, "fork_runtime", lambda argv, env, log: forked.append(argv) or "forked")
+    monkeypatch.setattr("sgl_tts.runtime.server.spawn_group", lambda cmd, log, env: "spawned")
+    cpu, cuda = RuntimeConfig(device="cpu"), RuntimeConfig(device="cuda")
+    launch = server_command(cpu, "/m", 1)
+    assert start_server(cpu, launch, tmp_path / "a.log") == "forked" and forked == [launch]
+    assert start_server(cuda, server_command(cuda, "/m", 1), tmp_path / "b.log") == "spawned"
+    assert start_server(cpu, [sys.executable, "-c", "pass"], tmp_path / "c.log") == "spawned"
+    off = RuntimeConfig(device="cpu", env={"SGLTTS_RUNTIME_ZYGOTE": zygote.OFF})
+    assert zygote.enabled(server_env(off)) is False
+    assert start_server(off, server_command(off, "/m", 1), tmp_path / "d.log") == "spawned" and len(forked) == 1
