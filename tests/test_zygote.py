@@ -106,31 +106,43 @@ def test_a_zygote_serves_only_its_import_environment():
         assert zygote.import_environment(dict(base, **changed)) != zygote.import_environment(base), changed
 
 
-def test_fork_runtime_starts_once_falls_back_while_busy_and_replaces_an_idle_zygote(child_folder, monkeypatch):
+def test_a_zygote_per_import_environment_at_most_max_zygotes_the_idle_replaced(child_folder, monkeypatch):
     monkeypatch.chdir(child_folder)
     monkeypatch.setattr(zygote, "PRELOAD", ())
     zygote.stop_all()
-    env = dict(os.environ)
-    other = dict(env, ZYGOTE_TEST_MARKER="another import environment")
+    environments = [dict(os.environ, ZYGOTE_TEST_MARKER=str(k)) for k in range(3)]
     argv = [sys.executable, "-m", "zygote_report", "wait"]
+
+    def fork(k):
+        log = child_folder / f"{k}-{len(list(child_folder.glob('*.log')))}.log"
+        child = zygote.fork_runtime(argv, environments[k], log)
+        if child is not None:
+            wait_until(lambda: log.exists() and "to stderr" in log.read_text(), 120)
+            assert report(log)["marker"] == str(k)
+        return child
+
+    def stop(child):
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=120)
+
     try:
-        first = zygote.fork_runtime(argv, env, child_folder / "a.log")
-        started = zygote._zygote
-        second = zygote.fork_runtime(argv, env, child_folder / "b.log")
-        assert zygote._zygote is started and first.pid != second.pid
-        assert zygote.fork_runtime(argv, other, child_folder / "c.log") is None  # busy: started afresh
+        first = fork(0)
+        started = zygote.start_for(environments[0])
+        second = fork(0)
+        assert zygote.start_for(environments[0]) is started and first.pid != second.pid  # one zygote, two forks
+        other = fork(1)  # a second import environment: a second zygote
+        assert len(zygote._zygotes) == 2 == zygote.MAX_ZYGOTES
+        assert fork(2) is None  # both others have runtimes: started afresh
         for child in (first, second):
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(timeout=120)
-        third = zygote.fork_runtime(argv, other, child_folder / "d.log")
-        assert zygote._zygote is not started and started.process.poll() is not None  # the idle one replaced
-        wait_until(lambda: (child_folder / "d.log").exists() and "to stderr" in (child_folder / "d.log").read_text(),
-                   120)
-        assert report(child_folder / "d.log")["marker"] == "another import environment"
-        os.killpg(third.pid, signal.SIGKILL)
-        third.wait(timeout=120)
+            stop(child)
+        third = fork(2)  # the idle one stopped for it
+        assert started.process.poll() is not None and len(zygote._zygotes) == 2
+        assert zygote.start_for(environments[1]) is not None
+        for child in (other, third):
+            stop(child)
     finally:
         zygote.stop_all()
+    assert zygote._zygotes == {}
 
 
 OWNER = """

@@ -14,7 +14,8 @@ whose environment equals the runtime's in every variable but those read after th
 thread count, which the child sets, and the plugin's settings, which SGLang's `load_plugins` reads in the child);
 otherwise it is started the usual way. The zygote has never run a torch operation (a forked OpenMP pool would
 not work) and holds no threads of its own. It exits when its owner does (`stop_all` at exit, else within
-`POLL_S` of the owner's death); the runtimes it forked have their owner's watchdogs like any other.
+`POLL_S` of the owner's death); the runtimes it forked have their owner's watchdogs like any other. A process
+keeps a zygote per import environment it starts runtimes with, at most MAX_ZYGOTES.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class Zygote:
 
 
 _lock = threading.RLock()
-_zygote: Zygote | None = None
+_zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}  # by import environment, the least recently used first
+MAX_ZYGOTES = 2  # per process: 1.2 GB resident each (its imports), pages its runtimes share until they write them
 
 
 def enabled(env: dict[str, str]) -> bool:
@@ -156,18 +158,24 @@ def enabled(env: dict[str, str]) -> bool:
 
 
 def start_for(env: dict[str, str]) -> Zygote | None:
-    """This process's zygote for `env`'s import environment, started if there is none; None while one with
-    another import environment has runtimes of its own (an idle one is replaced)."""
-    global _zygote
+    """This process's zygote for `env`'s import environment, started if there is none (an idle one of another
+    environment stopped to keep at most MAX_ZYGOTES); None when MAX_ZYGOTES others all have runtimes alive."""
+    key = tuple(sorted(import_environment(env).items()))
     with _lock:
-        if _zygote is None or not _zygote.serves(env):
-            if _zygote is not None:
-                if _zygote.busy() and _zygote.process.poll() is None:
-                    return None
-                _zygote.stop()
-                _zygote = None
-            _zygote = Zygote(env)
-        return _zygote
+        found = _zygotes.pop(key, None)
+        if found is not None and found.process.poll() is not None:  # died: its runtimes are orphans now
+            found.stop()
+            found = None
+        if found is None:
+            for other_key, other in list(_zygotes.items()):
+                if len(_zygotes) >= MAX_ZYGOTES and not other.busy():
+                    other.stop()
+                    del _zygotes[other_key]
+            if len(_zygotes) >= MAX_ZYGOTES:
+                return None
+            found = Zygote(env)
+        _zygotes[key] = found  # the most recently used last
+        return found
 
 
 def fork_runtime(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
@@ -179,12 +187,10 @@ def fork_runtime(argv: list[str], env: dict[str, str], log_path: Path) -> Forked
 
 @atexit.register
 def stop_all() -> None:
-    """Stop this process's zygote (the runtimes it forked are their owner's to stop)."""
-    global _zygote
+    """Stop this process's zygotes (the runtimes they forked are their owner's to stop)."""
     with _lock:
-        if _zygote is not None:
-            _zygote.stop()
-            _zygote = None
+        while _zygotes:
+            _zygotes.popitem()[1].stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
