@@ -181,3 +181,60 @@ def test_cpu_launches_are_forked_unless_switched_off(tmp_path, monkeypatch):
     off = RuntimeConfig(device="cpu", env={"SGLTTS_RUNTIME_ZYGOTE": zygote.OFF})
     assert zygote.enabled(server_env(off)) is False
     assert start_server(off, server_command(off, "/m", 1), tmp_path / "d.log") == "spawned" and len(forked) == 1
+
+
+def test_a_zygote_that_cannot_fork_is_dropped_and_one_a_parent_owned_is_left_alone(child_folder, monkeypatch):
+    monkeypatch.chdir(child_folder)
+    monkeypatch.setattr(zygote, "PRELOAD", ())
+    zygote.stop_all()
+    env = dict(os.environ)
+    inherited = None
+    try:
+        broken = zygote.start_for(env)
+        broken.socket_path.unlink()  # its socket gone: the fork's connect fails
+        assert zygote.fork_runtime([sys.executable, "-m", "zygote_report", "0"], env, child_folder / "a.log") is None
+        assert broken.process.poll() is not None and zygote._zygotes == {}
+        inherited = zygote.start_for(env)
+        inherited.owner = -1  # as in a forked child of the owner: not this process's to use or stop
+        mine = zygote.start_for(env)
+        assert mine is not inherited and inherited.process.poll() is None
+        zygote.stop_all()
+        assert mine.process.poll() is not None and inherited.process.poll() is None
+    finally:
+        zygote.stop_all()
+        if inherited is not None:
+            inherited.stop()
+
+
+REAPER = """
+import os, sys
+from pathlib import Path
+from sgl_tts.runtime import zygote
+folder = Path(sys.argv[1])
+children = {}
+for code in (7, -9):
+    pid = os.fork()
+    if pid == 0:
+        if code < 0:
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+    children[pid] = code
+seen, replace = [], os.replace
+def replaced(staged, path):
+    seen.append(all(Path(f"/proc/{pid}").exists() for pid in children if str(pid) in staged))
+    replace(staged, path)
+os.replace = replaced
+exits = {pid: str(folder / f"{pid}.exit") for pid in children}
+while exits:
+    zygote.reap(exits)
+codes = {code: int((folder / f"{pid}.exit").read_text()) for pid, code in children.items()}
+print(seen, codes == {7: 7, -9: -9}, any(Path(f"/proc/{pid}").exists() for pid in children))
+"""
+
+
+def test_an_exit_code_is_written_while_its_process_is_still_in_proc(tmp_path):
+    """The owner reads a process gone from /proc without an exit file as orphaned (UNKNOWN_EXIT), so the zygote
+    writes the code before it reaps the child (run in a process of its own: `reap` collects any child)."""
+    out = subprocess.run([sys.executable, "-c", REAPER, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split("\n")[0] == "[True, True] True False", out.stderr

@@ -80,12 +80,18 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            try:
-                self.returncode = int(self.exit_path.read_text())
-            except (OSError, ValueError):  # running, or ended and not yet reaped (a zombie), or orphaned
-                if not _exists(self.pid):
-                    self.returncode = UNKNOWN_EXIT
+            code = self._written_code()
+            if code is None and not _exists(self.pid):  # gone: its code was written first, unless its zygote died
+                code = self._written_code()
+                code = UNKNOWN_EXIT if code is None else code
+            self.returncode = code
         return self.returncode
+
+    def _written_code(self) -> int | None:
+        try:
+            return int(self.exit_path.read_text())
+        except (OSError, ValueError):  # not written: running, or its zygote died before it
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -111,6 +117,7 @@ class Zygote:
         self.socket_path = self.folder / "socket"
         self.log_path = self.folder / "zygote.log"
         self.children: list[ForkedProcess] = []
+        self.owner = os.getpid()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", MODULE, str(self.socket_path), str(os.getpid()), ",".join(preload)],
@@ -120,9 +127,6 @@ class Zygote:
             self.stop()
             raise RuntimeError(f"the runtime zygote did not start ({line!r}); log {self.log_path}:\n"
                                f"{self.log_path.read_text(errors='replace')[-2000:]}")
-
-    def serves(self, env: dict[str, str]) -> bool:
-        return self.process.poll() is None and import_environment(env) == self.environment
 
     def fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
         """Fork a child that runs `argv` (`python -m MODULE ARGS`) with `env`, output to `log_path`."""
@@ -162,6 +166,7 @@ def start_for(env: dict[str, str]) -> Zygote | None:
     environment stopped to keep at most MAX_ZYGOTES); None when MAX_ZYGOTES others all have runtimes alive."""
     key = tuple(sorted(import_environment(env).items()))
     with _lock:
+        _forget_inherited()
         found = _zygotes.pop(key, None)
         if found is not None and found.process.poll() is not None:  # died: its runtimes are orphans now
             found.stop()
@@ -182,13 +187,27 @@ def fork_runtime(argv: list[str], env: dict[str, str], log_path: Path) -> Forked
     """`argv` forked from this process's zygote for `env` (`start_for`), or None where there is none to fork it."""
     with _lock:  # not replaced between the choice and the fork
         serving = start_for(env)
-        return None if serving is None else serving.fork(argv, env, log_path)
+        if serving is None:
+            return None
+        try:
+            return serving.fork(argv, env, log_path)
+        except (OSError, ValueError):  # it died meanwhile, or answered nothing readable: start afresh
+            serving.stop()
+            _zygotes.pop(next(key for key, value in _zygotes.items() if value is serving), None)
+            return None
+
+
+def _forget_inherited() -> None:
+    """Drop the zygotes a parent process owned (this process is its fork): theirs to use and to stop."""
+    for key in [key for key, value in _zygotes.items() if value.owner != os.getpid()]:
+        del _zygotes[key]
 
 
 @atexit.register
 def stop_all() -> None:
     """Stop this process's zygotes (the runtimes they forked are their owner's to stop)."""
     with _lock:
+        _forget_inherited()
         while _zygotes:
             _zygotes.popitem()[1].stop()
 
@@ -224,19 +243,22 @@ def serve(socket_path: str, owner: int) -> dict[str, Any] | None:
 
 
 def reap(exits: dict[int, str]) -> None:
-    """Collect the children that ended and write each one's exit code where its owner reads it."""
+    """Collect the children that ended, each one's exit code written where its owner reads it before it is
+    reaped: until then it stays in /proc (a zombie), so an owner never finds it gone without its code."""
     while exits:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if ended is None:
             return
-        path = exits.pop(pid, None)
+        code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status  # killed: -signal
+        path = exits.pop(ended.si_pid, None)
         if path is not None:
-            staged = f"{path}.{pid}.tmp"
-            Path(staged).write_text(str(os.waitstatus_to_exitcode(status)))
+            staged = f"{path}.{ended.si_pid}.tmp"
+            Path(staged).write_text(str(code))
             os.replace(staged, path)
+        os.waitpid(ended.si_pid, 0)
 
 
 def become(request: dict[str, Any]) -> None:
