@@ -99,7 +99,7 @@ def test_the_childs_torch_threads_follow_its_environment_not_the_zygotes(child_f
 
 def test_a_zygote_serves_only_its_import_environment():
     base = {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
-    assert zygote.import_environment(base) == {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1"}
+    assert zygote.import_environment(base) == (("PATH", "/bin"), ("SGLANG_USE_CPU_ENGINE", "1"))
     read_later = dict(base, OMP_NUM_THREADS="2", SGLTTS_CPU_LINEAR="sglang", PYTEST_CURRENT_TEST="t")
     assert zygote.import_environment(read_later) == zygote.import_environment(base)
     for changed in ({"SGLANG_USE_CPU_ENGINE": "0"}, {"LD_LIBRARY_PATH": "/x"}, {"SGLTTS_EVAL_TAG": "t"}):
@@ -221,7 +221,7 @@ for code in (7, -9):
     children[pid] = code
 seen, replace = [], os.replace
 def replaced(staged, path):
-    seen.append(all(Path(f"/proc/{pid}").exists() for pid in children if str(pid) in staged))
+    seen.append(all(Path(f"/proc/{pid}").exists() for pid in children if Path(path).name == f"{pid}.exit"))
     replace(staged, path)
 os.replace = replaced
 exits = {pid: str(folder / f"{pid}.exit") for pid in children}

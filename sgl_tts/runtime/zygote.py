@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_tts import env_names
+from sgl_tts.paths import write_atomic
 
 MODULE = "sgl_tts.runtime.zygote"
 POLL_S = 0.2  # how often the zygote reaps its children and checks that its owner lives
@@ -59,9 +60,9 @@ READ_LATER = frozenset({"OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", "PYTES
 OFF = "off"  # $SGLTTS_RUNTIME_ZYGOTE=off: every runtime started the usual way
 
 
-def import_environment(env: dict[str, str]) -> dict[str, str]:
-    """The part of `env` that imports may read: all of it but READ_LATER."""
-    return {key: value for key, value in env.items() if key not in READ_LATER}
+def import_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of `env` that imports may read (all of it but READ_LATER), sorted: a zygote's key."""
+    return tuple(sorted((key, value) for key, value in env.items() if key not in READ_LATER))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,7 +113,6 @@ class Zygote:
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None):
         preload = PRELOAD if preload is None else preload
-        self.environment = import_environment(env)
         self.folder = Path(tempfile.mkdtemp(prefix="sgl-tts-zygote-"))  # mode 0700: only this user connects
         self.socket_path = self.folder / "socket"
         self.log_path = self.folder / "zygote.log"
@@ -164,7 +164,7 @@ def enabled(env: dict[str, str]) -> bool:
 def start_for(env: dict[str, str]) -> Zygote | None:
     """This process's zygote for `env`'s import environment, started if there is none (an idle one of another
     environment stopped to keep at most MAX_ZYGOTES); None when MAX_ZYGOTES others all have runtimes alive."""
-    key = tuple(sorted(import_environment(env).items()))
+    key = import_environment(env)
     with _lock:
         _forget_inherited()
         found = _zygotes.pop(key, None)
@@ -193,7 +193,7 @@ def fork_runtime(argv: list[str], env: dict[str, str], log_path: Path) -> Forked
             return serving.fork(argv, env, log_path)
         except (OSError, ValueError):  # it died meanwhile, or answered nothing readable: start afresh
             serving.stop()
-            _zygotes.pop(next(key for key, value in _zygotes.items() if value is serving), None)
+            del _zygotes[import_environment(env)]
             return None
 
 
@@ -255,9 +255,7 @@ def reap(exits: dict[int, str]) -> None:
         code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status  # killed: -signal
         path = exits.pop(ended.si_pid, None)
         if path is not None:
-            staged = f"{path}.{ended.si_pid}.tmp"
-            Path(staged).write_text(str(code))
-            os.replace(staged, path)
+            write_atomic(path, str(code))
         os.waitpid(ended.si_pid, 0)
 
 
