@@ -53,6 +53,10 @@ class ScriptedModel:
             return " ".join(words), "eos"
         return " ".join(words), "step"
 
+    def answer_so_far(self, text: str) -> str:
+        """What a probe of a path (its text, then an answer cue) writes before its closing brace."""
+        return str(_hash("probe", text) % self.answers)
+
     def top_logprobs(self, word: str, k: int) -> list[tuple[float, int, None]]:
         """The k most likely (logprob, token id, text) at an output word, most likely first: log-probabilities
         −0.05 − spread·j with a per-word spread in [2.5, 6.25], so a word's confidence is 0.05 + spread·(k−1)/2
@@ -101,10 +105,14 @@ class ScriptedBackend(SearchBackend, BaseBackend):
         variant = self.next_variant(text, search.seed if search is not None else None)
         budget = sampling_params.max_new_tokens or 10**9
         stop = sampling_params.stop
-        stops_at_step = self.model.delimiter in ((stop,) if isinstance(stop, str) else tuple(stop or ()))
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        stops_at_step = self.model.delimiter in stops
         pieces, produced, reason = [], 0, None
         words_out: list[str] = []  # one token per word
         current, current_variant = text, variant
+        if "}$" in stops and not stops_at_step:  # a probe for the answer so far (sgl_tts.search.api.probe_answers)
+            pieces, produced, reason = [self.model.answer_so_far(text)], 1, {"type": "stop", "matched": "}$"}
+            words_out = pieces[:]
         while reason is None:
             step, ending = self.model.step(current, current_variant)
             words = step.split(" ")

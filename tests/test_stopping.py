@@ -212,3 +212,98 @@ def test_the_stage_sends_at_most_k_at_once_in_the_order_they_came_and_a_stop_ref
 def test_a_stage_below_zero_names_the_field():
     with pytest.raises(ValueError, match="stopping.stage"):
         Stopping(stage=-1)
+
+
+CUE = Stopping().answer_cue
+
+
+def probes_of(backend):
+    return [r for r in backend.requests if r["text"].endswith(CUE)]
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts"])
+def test_reading_the_live_paths_settles_a_search_after_its_first_step(program):
+    # the scripted model answers from the third step on, and every probe of a path answers 0 (`answers=1`)
+    base = SearchConfig(program=program, n=8, beam_width=2, max_steps=8, max_tokens=10_000)
+    rule = Stopping(rule="settled", consensus=0.6, min_answers=3)
+    ended, ended_backend, _, _ = run(program, dataclasses.replace(base, stopping=rule), AGREEING)
+    live, backend, _, context = run(program, dataclasses.replace(
+        base, stopping=dataclasses.replace(rule, reads="live")), AGREEING)
+    assert ended.finish_reason == live.finish_reason == "settled" and live.answer == "0"
+    assert not probes_of(ended_backend) and len(ended_backend.requests) > 8, "ended answers come from step 2 on"
+    assert context.iterations == 1 and len(backend.requests) == 8 + 8, "the first step's eight probes settled it"
+    assert all(c.answer is None for c in live.candidates), "no path had ended: the vote was the live answers'"
+    assert len(probes_of(backend)) == 8 and all(r["text"].endswith("\n\n" + CUE) for r in probes_of(backend))
+    assert live.generated_tokens < ended.generated_tokens, "the probes' tokens are counted, and fewer in all"
+
+
+def test_probes_change_no_path_and_a_vote_that_never_settles_answers_as_before():
+    base = SearchConfig(n=6, beam_width=2, max_steps=5, max_tokens=10_000)
+    plain, plain_backend, _, _ = run("beam_search", base)
+    probed, backend, _, context = run("beam_search", dataclasses.replace(
+        base, stopping=Stopping(rule="settled", reads="live", min_answers=1000)))
+    assert probed.finish_reason == "complete" and probed.answer == plain.answer
+    assert [c.text for c in probed.candidates] == [c.text for c in plain.candidates]
+    probes = probes_of(backend)
+    assert len(backend.requests) == len(plain_backend.requests) + len(probes) and probes
+    assert probed.generated_tokens == plain.generated_tokens + len(probes), "one token per scripted probe"
+
+
+def test_reading_the_live_paths_sets_the_confidence_threshold_from_every_path_of_the_first_step():
+    stopping = Stopping(rule="confidence", reads="live", top_k=3, window=4, keep_fraction=0.5, warmup=2)
+    config = SearchConfig(n=8, beam_width=2, max_steps=8, max_tokens=10_000, stopping=stopping)
+    result, backend, _, context = run("beam_search", config)
+    warmup = context.confidence_rule.warmup_confidences
+    first_step = [c for c in result.candidates if len(c.steps) == 1]
+    assert len(warmup) == 8, "all eight first steps, not the first two paths to end"
+    assert context.confidence_rule.threshold == OnlineThreshold.from_warmup(warmup, 0.5)
+    cut = [c for c in result.candidates if c.finish_reason == "low_confidence"]
+    assert cut and any(len(c.steps) == 1 for c in cut), "paths cut at their first step"
+    assert all(lowest_group_confidence(c.extra["token_confidences"], 4) < context.confidence_rule.threshold.threshold
+               for c in cut)
+    assert not probes_of(backend), "the confidence rule alone sends no probe"
+    assert {round(lowest_group_confidence(c.extra["token_confidences"], 4), 9) for c in first_step} <= {
+        round(w, 9) for w in warmup}
+
+
+def test_reading_settings_name_the_field():
+    with pytest.raises(ValueError, match="stopping.reads"):
+        Stopping(reads="sometimes")
+    with pytest.raises(ValueError, match="stopping.probe_tokens"):
+        Stopping(probe_tokens=0)
+    with pytest.raises(ValueError, match="stopping.answer_cue"):
+        Stopping(answer_cue="  ")
+    assert Stopping(rule="both", reads="live").probes and not Stopping(rule="confidence", reads="live").probes
+
+
+@pytest.mark.parametrize("text, closed, answer", [
+    ("12}$.", False, "12"), ("\\frac{1}{2}}.", False, "\\frac{1}{2}"), (" 7 ", True, "7"),
+    ("\\frac{1}{2", True, None), ("3 + 4", False, None), ("}", True, None), ("", True, None)])
+def test_a_probe_answer_is_what_stands_before_the_brace_that_closes_the_cue(text, closed, answer):
+    from sgl_tts.search.api import braced_answer
+
+    assert braced_answer(text, closed) == answer
+
+
+def test_a_steady_rule_casts_a_live_answer_only_once_a_path_gave_it_twice():
+    base = SearchConfig(n=8, beam_width=2, max_steps=8, max_tokens=10_000)
+    rule = Stopping(rule="settled", reads="live", consensus=0.6, min_answers=3, steady=2)
+    late = ScriptedModel(answers=1, answer_depth=6)  # no path ends before its fifth step
+    steady, backend, _, context = run("beam_search", dataclasses.replace(base, stopping=rule), late)
+    assert steady.finish_reason == "settled" and steady.answer == "0"
+    assert context.iterations == 2 and len(probes_of(backend)) == 16, "one probe per path at each of two steps"
+    second = [c for c in steady.candidates if len(c.steps) == 2]
+    assert second and all(c.extra["probe_answers"] == ["0", "0"] for c in second), "the parent's probe, then its own"
+
+
+@pytest.mark.parametrize("history, answer, steady, cast", [
+    ([], "3", 1, "3"), ([], "3", 2, None), (["3"], "3", 2, "3"), (["4"], "3", 2, None), ([None], "3", 2, None),
+    (["4", "3"], "4", 2, None), (["3", "4"], "4", 2, "4"), (["4", "4"], "4", 3, "4"), (["\\boxed{4}"], "4", 2, "4"),
+    (["4"], None, 1, None)])
+def test_a_path_casts_its_answer_when_its_last_probes_agree(history, answer, steady, cast):
+    from sgl_tts.search.api import ReasoningPath, steady_answers
+
+    parent = ReasoningPath(state=None, extra={"probe_answers": history} if history else {})
+    child = ReasoningPath(state=None, parent=0)
+    assert steady_answers([child], [answer], [parent], steady) == [cast]
+    assert child.extra["probe_answers"] == [*history, answer]

@@ -21,7 +21,7 @@ from sgl_tts.scoring.base import AGGREGATIONS, ScorerError, StepScorer, aggregat
 from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.confidence import token_confidence
 from sgl_tts.search.context import SearchContext, SearchStopped
-from sgl_tts.search.grading import answer_at_end, extract_answer
+from sgl_tts.search.grading import answer_at_end, extract_answer, normalize_answer
 from sgl_tts.search.records import COMPLETE, Candidate, SearchResult
 from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, Stopping
 
@@ -253,11 +253,69 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     if answered:
         tracker.extra.setdefault("straggler_tails", []).append(straggler_tail(began, answered))
     tracker.frontier = children
+    live_reads = tracker.stopping.reads == "live"
+    if live_reads:
+        tracker.step_confidences_heard(children)
     for child in children:
         if child.active and tracker.unsure(child):
             finish(child, LOW_CONFIDENCE, tracker)
+    live = [child for child in children if child.active]
+    if live_reads and tracker.stopping.probes and live and not tracker.stopped:
+        probed = probe_answers(live, tracker.stopping)
+        tracker.live_answers_heard(steady_answers(live, probed, [parent for parent, _ in parents],
+                                                  tracker.stopping.steady))
     tracker.refuse_if_stopped()
     return children
+
+
+PROBE_STOPS = ("}$", "}.", "}\n")  # what follows a boxed answer's closing brace in the cue's format
+
+
+def probe_answers(paths: Sequence[ReasoningPath], stopping: Stopping) -> list[str | None]:
+    """Each live path's answer so far (Dynasor's probe): a fork of the path writes `stopping.answer_cue` and at
+    most `stopping.probe_tokens` greedy tokens; the answer is what stands before the brace that closes the cue's
+    (`PROBE_STOPS` end the probe there; None: empty, or not closed within the cap). The path itself is unchanged;
+    the probes are requests of its search."""
+    probes = []
+    for path in paths:
+        path.state.text()  # the path's text committed: the probe's prefix is in the radix cache
+        probe = path.state.fork(1)[0]
+        probe += stopping.answer_cue + sgl.gen("probe", max_tokens=stopping.probe_tokens, stop=list(PROBE_STOPS),
+                                               temperature=0.0)
+        probes.append(probe)
+    answers = []
+    for probe in probes:
+        reason = wait_meta(probe, "probe").get("finish_reason") or {}
+        stopped = isinstance(reason, dict) and reason.get("type") == "stop"
+        answers.append(braced_answer(probe["probe"], closed=stopped))
+    return answers
+
+
+def steady_answers(paths: Sequence[ReasoningPath], answers: Sequence[str | None], parents: Sequence[ReasoningPath],
+                   steady: int) -> list[str | None]:
+    """Each path's probe answers so far, its parent's (`parents[path.parent]`) then this one, into
+    extra["probe_answers"]; the answer it casts is this one when its last `steady` probes agree, else None."""
+    cast = []
+    for path, answer in zip(paths, answers):
+        before = parents[path.parent].extra.get("probe_answers", []) if path.parent is not None else []
+        history = path.extra["probe_answers"] = [*before, answer]
+        recent = history[-steady:]
+        agree = len(recent) == steady and answer is not None and all(
+            earlier is not None and normalize_answer(earlier) == normalize_answer(answer) for earlier in recent)
+        cast.append(answer if agree else None)
+    return cast
+
+
+def braced_answer(text: str, closed: bool) -> str | None:
+    """The text before the first "}" that closes an opened brace ("\\frac{1}{2}}." -> "\\frac{1}{2}"); with none,
+    all of it when the server ended it at a stop string (which it trims: the closing brace went with it), else
+    None."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += (char == "{") - (char == "}")
+        if depth < 0:
+            return text[:index].strip() or None
+    return (text.strip() or None) if closed and depth == 0 else None
 
 
 def straggler_tail(began: float, answered_at: Sequence[float]) -> dict[str, float]:
@@ -410,8 +468,9 @@ def stopped_result(problem_id: str, program: str, config: SearchConfig, tracker:
     result = build_result(problem_id, program, paths, config, tracker, finish_reason=reason)
     ended = sorted((p for p in paths if not p.active), key=lambda p: rank_key(p, config.aggregation))
     live = sorted((p for p in paths if p.active), key=lambda p: rank_key(p, config.aggregation))
-    if reason == SETTLED:
-        answer = select("majority", [p.answer for p in ended], [1.0] * len(ended))
+    if reason == SETTLED:  # the vote that settled: the ended paths' answers, and the live ones' with `reads: live`
+        vote = tracker.settled_vote or [p.answer for p in ended]
+        answer = select("majority", vote, [1.0] * len(vote))
     elif ended:
         answer = ended[0].answer
     else:

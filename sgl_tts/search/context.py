@@ -100,7 +100,8 @@ class SearchContext:
                              if self.stopping.settled else None)
         self.finished_paths: list[Any] = []  # every path that ended (`sgl_tts.search.api.finish`)
         self.frontier: list[Any] = []  # the live paths `expand` last held (its parents while it runs)
-        self._answers: list[str] = []  # the normalised answers of the ended paths, for the settled rule
+        self._answers: list[str] = []  # the answers of the ended paths, for the settled rule
+        self.settled_vote: list[str] = []  # the answers whose vote settled the search (`finish_reason` settled)
         # timing and counts of the search itself
         self.start = clock()
         self.generator_time_s = 0.0
@@ -277,14 +278,37 @@ class SearchContext:
         if path.finish_reason == LOW_CONFIDENCE:
             return
         confidences = path.extra.get("token_confidences")
-        if self.confidence_rule is not None and confidences:
+        if self.confidence_rule is not None and confidences and self.stopping.reads == "ended":
             self.confidence_rule.warm_up(self.confidence_rule.confidence(confidences))
         if self.settled_rule is not None and path.answer is not None:
             with self._changed:
-                self._answers.append(normalize_answer(path.answer))
+                self._answers.append(path.answer)
                 answers = list(self._answers)
-            if self.settled_rule.settled(answers, [1.0] * len(answers), remaining=1):
-                self.stop(SETTLED)
+            self._settle_on(answers)
+
+    def step_confidences_heard(self, paths: Sequence[Any]) -> None:
+        """`reads: live`: the paths of one step, ended and live; the first step whose paths carry confidences
+        sets the confidence rule's threshold (at least `warmup` of them)."""
+        rule = self.confidence_rule
+        if rule is not None and rule.threshold is None:
+            rule.warm_up_at_once([rule.confidence(p.extra["token_confidences"]) for p in paths
+                                  if p.extra.get("token_confidences")])
+
+    def live_answers_heard(self, answers: Sequence[str | None]) -> None:
+        """`reads: live`: the live paths' answers so far (`expand`'s probes); the vote of the ended paths' answers
+        and these may settle the search."""
+        if self.settled_rule is not None:
+            with self._changed:
+                vote = self._answers + [answer for answer in answers if answer is not None]
+            self._settle_on(vote)
+
+    def _settle_on(self, answers: list[str]) -> None:
+        """Stop the search (settled) when the vote of `answers`, one each, is settled; `settled_vote` keeps it."""
+        if self.settled_rule.settled([normalize_answer(a) for a in answers], [1.0] * len(answers), remaining=1):
+            with self._changed:
+                if self.stop_reason is None:
+                    self.settled_vote = list(answers)
+            self.stop(SETTLED)
 
     def unsure(self, path: Any) -> bool:
         """Whether the confidence rule stops the live `path` (its confidence so far is below the threshold)."""

@@ -12,8 +12,16 @@ Two rules, each a small class of numbers and answers (no paths, no requests), us
   an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each), the search stops
   sending and answers with that answer (`SearchResult.finish_reason` "settled").
 
-Both rules hear a path only when it ends, and a program that sends its paths at once (best-of-N's n samples, the
-children of one expansion) has spent nearly all its tokens by then. `stage` staggers any program beneath it: at
+With `reads: ended` (the default) both rules hear a path only when it ends, and a program that sends its paths at
+once (best-of-N's n samples, the children of one expansion) has spent nearly all its tokens by then. With
+`reads: live` they read the live paths after every step (`expand`): the confidence threshold is set by every path of
+the first step that carries confidences (ended or not), and each live path is asked for its answer so far (Dynasor's
+probe: its text, then `answer_cue`, then at most `probe_tokens` greedy tokens up to the closing brace, from the
+radix cache but for those tokens), so the vote of the ended answers and the live paths' answers can settle the
+search after its first step. With `steady` k > 1 a live path's answer is cast only once its last k probes (its
+ancestors' and its own) gave it (Dynasor's certaindex asks for consecutive agreeing probes): an answer guessed
+before any work is done, often a number from the question, is not cast. The probes are requests of the search:
+their tokens count. `stage` staggers any program beneath it: at
 most `stage` of the search's generator requests are in flight, the others wait in the order they were sent and go
 out as earlier ones end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the
 rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
@@ -29,6 +37,7 @@ from sgl_tts.config import FieldValueError
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
 
 RULES = ("none", "confidence", "settled", "both")
+READS = ("ended", "live")
 LOW_CONFIDENCE, SETTLED = "low_confidence", "settled"  # a path's finish reason, a search's finish reason
 
 
@@ -44,11 +53,19 @@ class Stopping:
     consensus: float = 0.6  # settled: the leading answer's share of the answers
     min_answers: int = 2  # settled: answers before the vote may settle
     stage: int = 0  # generator requests of the search in flight at once, the rest sent as they end (0: no limit)
+    reads: Literal["ended", "live"] = "ended"  # what the rules hear: ended paths, or every live path after each step
+    answer_cue: str = "The answer is $\\boxed{"  # live: what a probe appends to a path (the system prompt's ending)
+    probe_tokens: int = 8  # live: greedy tokens a probe may write before its closing brace
+    steady: int = 1  # live: a path's answer is cast once its last `steady` probes (its ancestors' too) agree
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise FieldValueError("rule", f"stopping.rule must be one of {', '.join(RULES)}, got {self.rule!r}")
-        for name in ("top_k", "window", "warmup", "min_answers"):
+        if self.reads not in READS:
+            raise FieldValueError("reads", f"stopping.reads must be one of {', '.join(READS)}, got {self.reads!r}")
+        if not self.answer_cue.strip():
+            raise FieldValueError("answer_cue", "stopping.answer_cue must not be empty")
+        for name in ("top_k", "window", "warmup", "min_answers", "probe_tokens", "steady"):
             if getattr(self, name) < 1:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
         if self.stage < 0:
@@ -64,6 +81,11 @@ class Stopping:
     @property
     def settled(self) -> bool:
         return self.rule in ("settled", "both")
+
+    @property
+    def probes(self) -> bool:
+        """Whether live paths are asked for their answers so far after each step."""
+        return self.settled and self.reads == "live"
 
     @property
     def logprobs(self) -> int:
@@ -92,6 +114,13 @@ class TraceConfidenceRule:
             self.warmup_confidences.append(confidence)
             if len(self.warmup_confidences) >= self.warmup:
                 self.threshold = OnlineThreshold.from_warmup(self.warmup_confidences, self.keep_fraction)
+
+    def warm_up_at_once(self, confidences: Sequence[float]) -> None:
+        """Set the threshold from all of `confidences` (the paths of one step), unless it is set or they are fewer
+        than `warmup`."""
+        if self.threshold is None and len(confidences) >= self.warmup:
+            self.warmup_confidences = list(confidences)
+            self.threshold = OnlineThreshold.from_warmup(self.warmup_confidences, self.keep_fraction)
 
     def should_stop(self, confidence: float) -> bool:
         return self.threshold is not None and self.threshold.should_stop(confidence)
