@@ -255,6 +255,7 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     matplotlib."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return []
     written = []
@@ -280,6 +281,14 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
                 for c, xi, yi in zip(series, x, y):
                     ax.annotate(f"n={c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=6)
             ax.set_xscale("log")
+            low, high = min(c[key] for c in ours), max(c[key] for c in ours)
+            if low > 0 and high / low < 2:  # a narrow range: widened to a factor 2, so the ticks stay few and plain
+                middle = (low * high) ** 0.5
+                ax.set_xlim(middle / 2 ** 0.5, middle * 2 ** 0.5)
+            plain = FuncFormatter(lambda value, _: f"{value:g}")
+            ax.xaxis.set_major_formatter(plain)
+            ax.xaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="x", which="both", labelsize=7)
             ax.set_xlabel(label, fontsize=8)
             ax.set_ylabel("accuracy (%)")
             ax.set_title(algorithm, fontsize=9)
