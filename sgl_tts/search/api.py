@@ -223,7 +223,9 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     raises SearchStopped here instead of sending, and after an iteration in which it stopped; while the budget's
     slack is below its threshold (`SearchContext.narrowing`) each parent gets `Narrowing.children` of its count
     and the step extension is not used; with the confidence rule on (`search.stopping`) every step asks for
-    top logprobs and a child whose confidence falls below the threshold ends "low_confidence".
+    top logprobs and a child whose confidence falls below the threshold ends "low_confidence"; with the rules
+    reading the live paths (`stopping.reads: live`) the first step's children set that threshold, and after every
+    step the live children are probed for their answers so far (`probe_answers`), which may settle the search.
     """
     parents = [(parent, count) for parent, count in parents if count > 0]
     if not parents:
