@@ -21,9 +21,10 @@ radix cache but for those tokens), so the vote of the ended answers and the live
 search after its first step. With `steady` k > 1 a live path's answer is cast only once its last k probes (its
 ancestors' and its own) gave it (Dynasor's certaindex asks for consecutive agreeing probes): an answer guessed
 before any work is done, often a number from the question, is not cast. The probes are requests of the search:
-their tokens count. `stage` staggers any program beneath it: at
-most `stage` of the search's generator requests are in flight, the others wait in the order they were sent and go
-out as earlier ones end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the
+their tokens count.
+
+`stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight, the
+others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the
 rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
 within one program; here the program is unchanged.
 """
