@@ -24,8 +24,8 @@ before any work is done, often a number from the question, is not cast. The prob
 their tokens count.
 
 `stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight, the
-others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the
-rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
+others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the first
+paths' answers can settle the vote before the rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
 within one program; here the program is unchanged.
 """
 
