@@ -25,8 +25,8 @@ their tokens count.
 
 `stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight, the
 others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the first
-paths' answers can settle the vote before the rest are sent. Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do
-within one program; here the program is unchanged.
+paths' answers can settle the vote before the rest are sent. Sequential sampling with a stopping test is what
+Adaptive-Consistency and DeepConf's online mode do within one program; here the program is unchanged.
 """
 
 from __future__ import annotations
