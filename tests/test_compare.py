@@ -4,8 +4,8 @@ import dataclasses
 
 from collections import Counter
 
-from sgl_tts.app.compare import (SC_MAX_SAMPLES, format_comparison, matched_vote, print_comparison, run_comparison,
-                                 samples_to_match)
+from sgl_tts.app.compare import (SC_MAX_SAMPLES, format_comparison, matched_vote, one_sample, print_comparison,
+                                 run_comparison, samples_to_match)
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.problems import Problem
 from sgl_tts.search.api import Runtimes, SearchConfig
@@ -31,6 +31,21 @@ def test_matched_vote_counts_the_first_samples_within_the_budget():
     # A budget below the first sample still counts that one sample.
     one = matched_vote(result, budget=3)
     assert (len(one.candidates), one.answer, one.generated_tokens) == (1, "1", 10)
+
+
+def test_one_sample_is_drawn_uniformly_not_the_verifiers_pick():
+    """Candidates come best-scored first: the first of them is the verifier's choice, not a sample."""
+    picks = Counter()
+    for k in range(400):
+        ranked = [dataclasses.replace(candidate(str(i), 10 + i), score=1.0 - i / 8) for i in range(8)]
+        result = SearchResult(f"problem-{k}", "best_of_n", "0", ranked, generated_tokens=sum(c.tokens for c in ranked))
+        cut = one_sample(result)
+        assert len(cut.candidates) == 1 and cut.answer == cut.candidates[0].answer
+        assert cut.generated_tokens == cut.candidates[0].tokens and cut == one_sample(result), "the same pick each time"
+        picks[cut.answer] += 1
+    assert set(picks) == {str(i) for i in range(8)}
+    assert max(picks.values()) < 2 * 400 / 8, picks  # uniform: 50 each expected, 100 is far out (binomial sd 6.6)
+    assert one_sample(SearchResult("p", "best_of_n", None, [], generated_tokens=0)).generated_tokens == 0
 
 
 def test_samples_to_match_spends_the_search_tokens_in_whole_solutions():
@@ -121,9 +136,11 @@ def test_best_of_n_is_compared_with_the_majority_of_its_own_samples():
     assert sc_arm.solved == solved and sc_arm.tokens_per_problem == search_arm.tokens_per_problem
     assert sc_arm.samples == f"{sum(len(r.candidates) for _, r in searched)} samples"
     assert sc_arm.label == "self-consistency, the same samples"
-    # One sample at the search's temperature: each search's first sample, not a new draw.
-    assert sample.solved == sum(r.candidates[0].answer == p.gold for p, r in searched)
-    assert sample.tokens_per_problem == sum(r.candidates[0].tokens for _, r in searched) / len(problems)
+    # One sample at the search's temperature: one of each search's samples, not a new draw.
+    picked = [one_sample(r).candidates[0] for _, r in searched]
+    assert all(c in r.candidates for c, (_, r) in zip(picked, searched))
+    assert sample.solved == sum(c.answer == p.gold for c, (p, _) in zip(picked, searched))
+    assert sample.tokens_per_problem == sum(c.tokens for c in picked) / len(problems)
     drawn = [r for p, _, r in session.solved if p == "self_consistency"]
     assert len(drawn) == len(problems), "greedy is the only arm drawn anew"
 

@@ -2,7 +2,7 @@
 
 Two references, then two arms (three when asked), on the same problems, after one another:
 0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
-   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, each search's first sample: no new draw);
+   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, one of each search's samples: no new draw);
 1. the configured search (the CPU default: best-of-N with its verifier, FastTTS switches as configured);
 2. self-consistency (majority vote, no verifier) at matched generated tokens. When arm 1's candidates are
    independent whole solutions (best-of-N, `WHOLE_SAMPLE_PROGRAMS`) it is the majority of those very samples:
@@ -21,6 +21,7 @@ solves and the other does not count).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 from typing import Any, Sequence
@@ -38,11 +39,14 @@ SC_MAX_SAMPLES = 16  # self-consistency's largest draw per problem
 WHOLE_SAMPLE_PROGRAMS = ("best_of_n", "self_consistency")
 
 
-def first_sample(result: SearchResult) -> SearchResult:
-    """`result` cut to its first candidate: one sample at the search's temperature, its tokens and its time."""
+def one_sample(result: SearchResult) -> SearchResult:
+    """`result` cut to one of its candidates, its tokens and its time: one sample at the search's temperature. The
+    candidates are sorted best-scored first, so the first is the verifier's pick, not a sample; the one taken is
+    drawn uniformly, by a hash of the problem id (the same problem takes the same position in every run)."""
     if not result.candidates:
         return dataclasses.replace(result, answer=None, generated_tokens=0)
-    sample = result.candidates[0]
+    digest = hashlib.sha256(str(result.problem_id).encode()).digest()
+    sample = result.candidates[int.from_bytes(digest[:4], "big") % len(result.candidates)]
     return dataclasses.replace(result, candidates=[sample], answer=sample.answer, generated_tokens=sample.tokens,
                                total_time_s=sample.completion_time_s)
 
@@ -138,14 +142,15 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     one = dataclasses.replace(config.search, program="self_consistency", n=1)
     whole_samples = config.search.program in WHOLE_SAMPLE_PROGRAMS
     log("\ngreedy (one answer at temperature 0), the reference" + (
-        f"; one sample at temperature {one.temperature:g}: each search's first sample" if whole_samples else
+        f"; one sample at temperature {one.temperature:g}: one of each search's samples, drawn uniformly"
+        if whole_samples else
         ", and one sample at the search's temperature"))
     # One answer per problem is a small batch: every problem at once keeps the engine's batch full.
     arms = [ArmSummary.of("greedy, one answer",
                           list(session.solve_all(problems, search=lambda p: dataclasses.replace(one, temperature=0.0),
                                                  concurrency=len(problems)))),
             ArmSummary.of(f"one sample, temperature {one.temperature:g}",
-                          [(problem, first_sample(result)) for problem, result in searched] if whole_samples else
+                          [(problem, one_sample(result)) for problem, result in searched] if whole_samples else
                           list(session.solve_all(problems, search=lambda p: one)))]
     arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
