@@ -96,9 +96,12 @@ def test_a_client_that_disconnects_leaves_no_request_running(served):
         assert response.status_code == 200
         lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
         next(lines)  # the start event
-        # the search's own in-flight set, not /v1/loads (a snapshot that may still show the last test's requests)
+        # the search's own in-flight set, not /v1/loads (a snapshot that may still show the last test's requests);
+        # all n samples, not the fork's prompt pre-send alone: that one ends at once, and a cancel that came then
+        # would refuse the samples before any was sent, with nothing left to abort
         deadline = time.monotonic() + 600
-        while not any(job.context is not None and job.context.in_flight() for job in list(service.jobs.values())):
+        while not any(job.context is not None and len(job.context.in_flight()) >= body["n"]
+                      for job in list(service.jobs.values())):
             assert time.monotonic() < deadline, "the search's requests were never sent"
             time.sleep(0.05)
     deadline = time.monotonic() + 600
