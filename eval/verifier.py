@@ -41,8 +41,9 @@ def start_scorer(config: RunConfig, log_dir: Path) -> tuple[Any, Any, list[Any]]
     from sgl_tts.runtime.models import resolve_model
     from sgl_tts.runtime.server import Runtime
     from sgl_tts.scoring.factory import make_scorer
+    from sgl_tts.scoring.probe import generator_with_probe
 
-    runtime_config = config.scorer.runtime or config.generator
+    runtime_config = config.scorer.runtime or generator_with_probe(config.generator, config.scorer)
     runtime = Runtime.start(runtime_config, name="scorer", log_dir=log_dir)
     try:
         generator_tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.generator.model))

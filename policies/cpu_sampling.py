@@ -14,8 +14,20 @@ P(token = i) = (C_i - C_{i-1}) / C_{V-1} = p_i / sum(p): the distribution multin
 probability zero is never drawn (C_i = C_{i-1} leaves no u with C_{i-1} <= u < C_i). 7.6 ms for 128 rows (20x).
 The fp32 prefix sum rounds each C_i by about 1e-7 of the total, far below any probability that matters.
 
-The plugin (`policies/plugin.py`) installs it with $SGLTTS_CPU_SAMPLING=cdf (`sgl_tts/runtime/server.py` sets it on
-every CPU runtime); seeded sampling and any tensor not on the CPU go to SGLang's code unchanged.
+SGLang decides top-k / top-p / min-p for the batch, not the row: one request in the batch with a top-k (a greedy
+request is top-k 1: a verifier's read, a `temperature: 0` answer) sends every row through
+`top_k_top_p_min_p_sampling_from_probs_torch`, a full sort of the vocabulary per row, and the flag stays with the
+running batch the request joined. In `make run` with the probe read inside the generator (whose reads are greedy
+requests of one token) that sort was 31-35% of both ranks' time (py-spy, 2-core AMD EPYC, AVX2). `split_hook`
+samples each row by what it asks:
+
+    top_k = 1                                 argmax p             (the sort's first entry)
+    top_k >= V, top_p >= 1, no min-p          inverse CDF as above (the sort changes nothing)
+    any other row                             SGLang's sort, on those rows alone
+
+The plugin (`policies/plugin.py`) installs both with $SGLTTS_CPU_SAMPLING=cdf (`sgl_tts/runtime/server.py` sets it
+on every CPU runtime); seeded sampling, a caller that wants the filtered distribution back, and any tensor not on
+the CPU go to SGLang's code unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 TARGET = "sglang.srt.layers.sampler.sampling_from_probs_torch"
+FILTERED_TARGET = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
 CDF = "cdf"  # the value of $SGLTTS_CPU_SAMPLING that installs it
 
 
@@ -50,3 +63,33 @@ def sampling_hook(original: Callable[..., Any], probs: Any, sampling_seed: Any =
     if sampling_seed is not None or probs.device.type != "cpu" or probs.dim() != 2:
         return original(probs, sampling_seed=sampling_seed, positions=positions)
     return sample(probs)
+
+
+def split_hook(original: Callable[..., Any], probs: Any, top_ks: Any, top_ps: Any, min_ps: Any,
+               need_min_p_sampling: bool, sampling_seed: Any, positions: Any, *, return_filtered_probs: bool = False,
+               max_top_k: Any = None) -> Any:
+    """An AROUND hook for `top_k_top_p_min_p_sampling_from_probs_torch`: greedy rows by argmax, unfiltered rows by
+    the inverse CDF, the rest by SGLang's sort on those rows alone."""
+    import torch
+
+    if sampling_seed is not None or return_filtered_probs or probs.device.type != "cpu" or probs.dim() != 2:
+        return original(probs, top_ks, top_ps, min_ps, need_min_p_sampling, sampling_seed, positions,
+                        return_filtered_probs=return_filtered_probs, max_top_k=max_top_k)
+    vocab = probs.shape[-1]
+    greedy = top_ks == 1
+    plain = (top_ks >= vocab) & (top_ps >= 1.0)
+    if need_min_p_sampling:
+        plain &= min_ps <= 0.0
+    plain &= ~greedy
+    tokens = torch.empty(probs.shape[0], dtype=torch.int32)
+    if bool(greedy.any()):
+        tokens[greedy] = probs[greedy].argmax(dim=-1).to(torch.int32)
+    if bool(plain.any()):
+        tokens[plain] = sample(probs[plain])
+    rest = ~(greedy | plain)
+    if bool(rest.any()):
+        rows = rest.nonzero().view(-1)
+        tokens[rows] = original(probs[rows], top_ks[rows], top_ps[rows], min_ps[rows], need_min_p_sampling, None,
+                                None if positions is None else positions[rows],
+                                max_top_k=int(top_ks[rows].max())).to(torch.int32)
+    return tokens

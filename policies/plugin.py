@@ -2,7 +2,8 @@
 batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
 policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the inverse-CDF sampling of policies/cpu_sampling.py
 ($SGLTTS_CPU_SAMPLING=cdf), the search placement over data-parallel ranks of policies/search_placement.py
-($SGLTTS_DP_PLACEMENT=search) and the step timing of
+($SGLTTS_DP_PLACEMENT=search), the probe margins of policies/probe_readout.py ($SGLTTS_PROBE_HEAD=<head file>)
+and the step timing of
 policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
 
 SGLang's scheduler process calls `load_plugins()`, which runs `register()` (entry point group
@@ -21,7 +22,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import cpu_attention, cpu_linear, cpu_sampling, idle_wait, make_policy, search_placement, step_timing
+from policies import (cpu_attention, cpu_linear, cpu_sampling, idle_wait, make_policy, probe_readout, search_placement,
+                      step_timing)
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -76,13 +78,15 @@ def register() -> None:
     CPU decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
     (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the inverse-CDF sampling (policies/cpu_sampling.py)
     when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py) when
-    $SGLTTS_DP_PLACEMENT says so, and the step timing (policies/step_timing.py) when
+    $SGLTTS_DP_PLACEMENT says so, the probe margins (policies/probe_readout.py) when $SGLTTS_PROBE_HEAD names a
+    head file, and the step timing (policies/step_timing.py) when
     $SGLTTS_STEP_TRACE names a file."""
     name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
     attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
     linear = (env_names.read(env_names.CPU_LINEAR) or "").strip()
     sampling = (env_names.read(env_names.CPU_SAMPLING) or "").strip()
     placement = (env_names.read(env_names.DP_PLACEMENT) or "").strip()
+    probe_head = env_names.read(env_names.PROBE_HEAD)
     step_trace = env_names.read(env_names.STEP_TRACE)
     switched_on: list[tuple[list[tuple[str, Any, str]], str]] = []  # (target, hook, hook kind)s, announcement
     if attention in cpu_attention.VALUES:
@@ -101,11 +105,16 @@ def register() -> None:
                             f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and "
                             f"{cpu_linear.LM_HEAD_TARGET}, live-rows normalizer on {cpu_linear.NORMALIZER_TARGET}"))
     if sampling == cpu_sampling.CDF:
-        switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND")],
-                            f"inverse-CDF sampling installed on {cpu_sampling.TARGET}"))
+        switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND"),
+                             (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND")],
+                            f"inverse-CDF sampling installed on {cpu_sampling.TARGET} and, per row, on "
+                            f"{cpu_sampling.FILTERED_TARGET}"))
     if placement == search_placement.SEARCH:
         switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
                             f"search placement installed on {search_placement.TARGET}"))
+    if probe_head:
+        switched_on.append(([(probe_readout.TARGET, probe_readout.make_forward_hook(probe_head), "AROUND")],
+                            f"probe margins of {probe_head} installed on {probe_readout.TARGET}"))
     if step_trace:
         trace = StepTrace(step_trace)
         switched_on.append(([(step_timing.RUN_BATCH, trace.run_batch, "AROUND"),

@@ -25,6 +25,7 @@ CPU_ATTENTION = "SGLTTS_CPU_ATTENTION"  # "paged" or "batched": the decode atten
 CPU_LINEAR = "SGLTTS_CPU_LINEAR"  # "packed": the plugin's oneDNN linear layers (policies/cpu_linear.py)
 DP_PLACEMENT = "SGLTTS_DP_PLACEMENT"  # "search": a run's requests on one DP rank (policies/search_placement.py)
 CPU_SAMPLING = "SGLTTS_CPU_SAMPLING"  # "cdf": the plugin's inverse-CDF token sampling (policies/cpu_sampling.py)
+PROBE_HEAD = "SGLTTS_PROBE_HEAD"  # a probe head file a generator computes margins of (policies/probe_readout.py)
 STEP_TRACE = "SGLTTS_STEP_TRACE"  # a file the plugin appends each scheduler step's timing to (policies/step_timing.py)
 EVAL_TAG = "SGLTTS_EVAL_TAG"  # tests: marks the processes an eval test starts, to find leftovers
 NOTEBOOK_MODEL = "SGLTTS_NOTEBOOK_MODEL"  # the model notebooks/quickstart.ipynb runs
@@ -32,7 +33,7 @@ NOTEBOOK_TAG = "SGLTTS_NOTEBOOK_TAG"  # tests: marks the processes a notebook te
 RUNTIME_ZYGOTE = "SGLTTS_RUNTIME_ZYGOTE"  # "off": CPU runtimes started afresh, not forked (sgl_tts/runtime/zygote.py)
 
 NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_SAMPLING, DP_PLACEMENT,
-         STEP_TRACE,
+         PROBE_HEAD, STEP_TRACE,
          EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG, RUNTIME_ZYGOTE)
 
 _warned: set[str] = set()  # old names already warned about in this process

@@ -7,11 +7,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_runtime(tmp_path_factory):
-    """One real SGLang CPU runtime serving the tiny random-weight model, shared by the runtime tests."""
+def tiny_probe_head(tmp_path_factory):
+    """A random probe head on the tiny model's layer 1 (of 2), mean-pooled: the head file tiny_runtime computes
+    margins of (policies/probe_readout.py)."""
+    import torch
+
+    from sgl_tts.scoring.probe import ProbeHead
+
+    weight = (torch.randn(64, generator=torch.Generator().manual_seed(7)) / 8).tolist()
+    head = ProbeHead(base_model="tiny-random", layer=1, pooling="mean", weight=tuple(weight), bias=-0.2)
+    return head.save(tmp_path_factory.mktemp("probe-head") / "tiny-head.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tmp_path_factory, tiny_probe_head):
+    """One real SGLang CPU runtime serving the tiny random-weight model, shared by the runtime tests; started as a
+    session with the probe read inside the generator starts it (with a head, `tiny_probe_head`)."""
+    from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
-    runtime = Runtime.start(RuntimeConfig(model="tiny-random", max_total_tokens=16384, startup_timeout_s=600),
+    runtime = Runtime.start(RuntimeConfig(model="tiny-random", max_total_tokens=16384, startup_timeout_s=600,
+                                          env={env_names.PROBE_HEAD: str(tiny_probe_head)}),
                             name="tiny", log_dir=tmp_path_factory.mktemp("runtime-logs"))
     yield runtime
     runtime.stop()

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from policies.cpu_sampling import inverse_cdf, sample, sampling_hook  # noqa: E402
+from policies.cpu_sampling import inverse_cdf, sample, sampling_hook, split_hook  # noqa: E402
 
 
 def brute_force_token(row: list[float], u: float) -> int:
@@ -78,3 +78,49 @@ def test_seeded_sampling_and_other_shapes_go_to_sglang():
     got = sampling_hook(original, probs)
     assert len(calls) == 2 and got.shape == (3,) and got.dtype == torch.int32
     assert ((0 <= got) & (got < 10)).all()
+
+
+def test_a_batch_with_a_top_k_samples_each_row_by_what_it_asks():
+    """Greedy rows are the argmax, unfiltered rows follow their distribution (with the greedy rows beside them), and
+    only the rows with a real top-k / top-p go to SGLang's sort, with their own arguments."""
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch as sglang_sort
+    from sglang.srt.sampling.sampling_params import TOP_K_ALL
+
+    torch.manual_seed(2)
+    vocab, draws = 30, 4000
+    row = torch.softmax(torch.randn(vocab) * 2, dim=-1)
+    greedy_row = torch.softmax(torch.randn(vocab) * 2, dim=-1)
+    probs = torch.stack([greedy_row, row, row]).repeat(draws, 1)  # per draw: a greedy, a plain, a top-k 3 row
+    top_ks = torch.tensor([1, TOP_K_ALL, 3], dtype=torch.int32).repeat(draws)
+    top_ps = torch.tensor([1.0, 1.0, 1.0]).repeat(draws)
+    sent = []
+
+    def original(probs, top_ks, top_ps, min_ps, need_min_p, seed, positions, **kwargs):
+        sent.append((probs.shape[0], sorted(set(top_ks.tolist())), kwargs))
+        return sglang_sort(probs, top_ks, top_ps, min_ps, need_min_p, seed, positions, **kwargs)
+
+    tokens = split_hook(original, probs, top_ks, top_ps, torch.zeros(3 * draws), False, None, None,
+                        max_top_k=None)
+    assert tokens.dtype == torch.int32 and tokens.shape == (3 * draws,)
+    assert (tokens[0::3] == int(greedy_row.argmax())).all()
+    assert sent == [(draws, [3], {"max_top_k": 3})], "only the top-k rows, with their own k"
+    top3 = set(row.topk(3).indices.tolist())
+    assert set(tokens[2::3].tolist()) <= top3
+    counts = torch.bincount(tokens[1::3].long(), minlength=vocab).double()
+    standard_error = (row.double() * (1 - row.double()) * draws).sqrt() + 1
+    assert ((counts - row.double() * draws).abs() <= 5 * standard_error).all(), "the plain rows follow p"
+    assert len(set(tokens[1::3].tolist()) - top3) > 0, "the plain rows are not cut to the top 3"
+
+
+def test_seeded_or_filtered_output_goes_to_sglang_whole():
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append(kwargs)
+        return "sglang"
+
+    probs = torch.softmax(torch.randn(2, 10), dim=-1)
+    top_ks, ps = torch.tensor([1, 5], dtype=torch.int32), torch.ones(2)
+    assert split_hook(original, probs, top_ks, ps, ps * 0, False, torch.tensor([1, 2]), torch.arange(2)) == "sglang"
+    assert split_hook(original, probs, top_ks, ps, ps * 0, False, None, None, return_filtered_probs=True) == "sglang"
+    assert [c["return_filtered_probs"] for c in calls] == [False, True]

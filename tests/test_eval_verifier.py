@@ -120,3 +120,28 @@ def test_bad_records_name_the_line_and_field(tmp_path):
     path.write_text(json.dumps({"id": "a", "problem": "p", "steps": "s", "label": 0}) + "\n")
     with pytest.raises(DatasetError, match=r":1: field 'steps'"):
         load_labelled(path)
+
+
+def test_a_probe_without_a_runtime_is_read_inside_a_generator_started_with_its_head(tmp_path, monkeypatch):
+    from sgl_tts import env_names
+    from sgl_tts.app.session import load_run_config
+    from sgl_tts.runtime import server
+    from sgl_tts.scoring.probe import DEFAULT_HEAD
+
+    started = []
+
+    class Stopped(Exception):
+        pass
+
+    def start(config, name, log_dir):
+        started.append((config, name))
+        raise Stopped  # what the scorer would read is decided by now
+
+    monkeypatch.setattr(server.Runtime, "start", staticmethod(start))
+    config = load_run_config("cpu-default")
+    assert config.scorer.kind == "probe" and config.scorer.runtime is None
+    with pytest.raises(Stopped):
+        verifier.start_scorer(config, tmp_path)
+    (runtime_config, name), = started
+    assert name == "scorer" and runtime_config.model == config.generator.model
+    assert runtime_config.env[env_names.PROBE_HEAD] == str(DEFAULT_HEAD.resolve())

@@ -18,7 +18,7 @@ import torch
 
 from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.probe import (PROBE_FILE, ProbeHead, ProbeScorer, build_probe_checkpoint, readout_positions,
-                                   step_spans)
+                                   step_spans, whole_text_spans)
 from sgl_tts.scoring.probe_train import extract_features, fit_logistic, load_features
 from sgl_tts.scoring.step_labels import LabelledSolution
 
@@ -62,6 +62,58 @@ def reference_scores(base_dir, head: ProbeHead, tmp_path: Path) -> list[list[flo
     logits = features.pooled[(head.pooling, head.layer)] @ np.array(head.weight) + head.bias
     scores = 1 / (1 + np.exp(-logits))
     return [scores[features.solution == i].tolist() for i in range(len(SOLUTIONS))]
+
+
+def token_margins(base_dir, head: ProbeHead, ids: list[int]) -> list[float]:
+    """w·RMSNorm(h) per position, h transformers' residual stream after head.layer layers, the norm the model's
+    final one: what a generator rank keeps per token (policies/probe_readout.py)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[head.layer][0].double()
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+        return (normed * model.model.norm.weight.double() @ torch.tensor(head.weight, dtype=torch.float64)).tolist()
+
+
+def generator_reference(base_dir, head: ProbeHead, tokenizer, prompt: str, steps: list[str]) -> list[float]:
+    """Each step's score read inside the generator, by brute force: the whole text tokenized once, each token given
+    to the step whose characters hold its first character, sigmoid(mean margin of the step's tokens + b)."""
+    encoded = tokenizer(prompt + "".join(steps), add_special_tokens=False, return_offsets_mapping=True)
+    margins = token_margins(base_dir, head, encoded.input_ids)
+    bounds = np.cumsum([len(prompt)] + [len(step) for step in steps])
+    owner = [int(np.searchsorted(bounds, begin, side="right")) for begin, _ in encoded.offset_mapping]  # 0: prompt
+    scores = []
+    for k in range(1, len(steps) + 1):
+        positions = [p for p, o in enumerate(owner) if o == k] or [max(p for p, o in enumerate(owner) if o < k)]
+        if head.pooling == "last":
+            positions = positions[-1:]
+        scores.append(1 / (1 + math.exp(-(sum(margins[p] for p in positions) / len(positions) + head.bias))))
+    return scores
+
+
+class MarginGenerator:
+    """A generator started with a probe head, as the scorer sees it: /generate answers each request's margins
+    (computed by transformers, `token_margins`) in meta_info, and the requests are recorded."""
+
+    name, url = "generator", "http://fake"
+
+    def __init__(self, base_dir, head: ProbeHead, answer_margins: bool = True):
+        self.model_path, self.head, self.answer_margins = str(base_dir), head, answer_margins
+        self.requests: list[dict] = []
+
+    def check_alive(self):
+        pass
+
+    def generate(self, payload: dict) -> list[dict]:
+        from policies.probe_readout import META_KEY
+
+        self.requests.append(payload)
+        assert payload["sampling_params"]["max_new_tokens"] == 1
+        return [{"meta_info": {"prompt_tokens": len(ids), "cached_tokens": len(ids) - 1,
+                               **({META_KEY: [token_margins(self.model_path, self.head, ids)]}
+                                  if self.answer_margins else {})}}
+                for ids in payload["input_ids"]]
 
 
 # --- fast tier -----------------------------------------------------------------------------------------
@@ -222,9 +274,86 @@ def test_paths_read_from_their_start_together_are_sent_after_their_shared_prefix
 
 
 def test_scorer_refuses_a_model_without_probe_file(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match=PROBE_FILE):
-        ProbeScorer(ScorerConfig(kind="probe"), SimpleNamespace(model_path=str(tmp_path), name="x", url="u"),
-                    tokenizer)
+    from sgl_tts.runtime.server import RuntimeConfig
+
+    with pytest.raises(ValueError, match=PROBE_FILE):  # a scorer runtime of its own must serve a checkpoint
+        ProbeScorer(ScorerConfig(kind="probe", runtime=RuntimeConfig()),
+                    SimpleNamespace(model_path=str(tmp_path), name="x", url="u"), tokenizer)
+
+
+def test_whole_text_spans_give_each_token_to_the_step_it_begins_in(tokenizer):
+    prompt = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+    steps = ["Step 1: 3 + 4 = 7.\n\n", "", "Step 2: so the answer is 7.\n\n", "  The end"]
+    encoded = tokenizer(prompt + "".join(steps), add_special_tokens=False, return_offsets_mapping=True)
+    ids, spans = whole_text_spans(tokenizer, prompt, steps)
+    assert ids == encoded.input_ids, "the ids are the whole text's, as a runtime tokenizes a request's text"
+    bounds = np.cumsum([len(prompt)] + [len(step) for step in steps])
+    for k, (start, end) in enumerate(spans):  # brute force: every token whose first character is in step k
+        inside = [p for p, (begin, _) in enumerate(encoded.offset_mapping) if bounds[k] <= begin < bounds[k + 1]]
+        assert list(range(start, end)) == inside, (k, steps[k])
+    assert spans[1][0] == spans[1][1] and spans[-1][1] == len(ids) and spans[0][0] > 0
+
+
+def test_probe_read_inside_the_generator_scores_new_steps_from_its_margins(base_dir, tokenizer, tmp_path,
+                                                                           monkeypatch):
+    from policies.base import decode_rid
+    from sgl_tts.frontend.backend import chat_prompt
+    from sgl_tts.scoring.base import ScorerError, scoring_run
+
+    head = random_head(1, "mean", seed=3)
+    runtime = MarginGenerator(base_dir, head)
+    monkeypatch.setattr("sgl_tts.scoring.runtime_calls.http_json", lambda url, payload, timeout: runtime.generate(payload))
+    config = ScorerConfig(kind="probe", probe_head=str(head.save(tmp_path / "head.json")))
+    scorer = ProbeScorer(config, runtime, tokenizer)
+    prompt, steps = chat_prompt(tokenizer, SOLUTIONS[0].problem), SOLUTIONS[0].search_steps()
+    with scoring_run("search/run-1"):
+        first = scorer.score(prompt, [steps[:1]])[0]
+        full = scorer.score_counted(prompt, [steps, steps[:2]])
+    # step 1 was scored on its own path, the others on the whole path (a text's last token can part from the same
+    # text's tokens with more after it)
+    expected = (generator_reference(base_dir, head, tokenizer, prompt, steps[:1])
+                + generator_reference(base_dir, head, tokenizer, prompt, steps)[1:])
+    assert full.scores[0] == pytest.approx(expected, abs=TOLERANCE)
+    assert full.scores[1] == pytest.approx(expected[:1] + generator_reference(base_dir, head, tokenizer, prompt,
+                                                                               steps[:2])[1:], abs=TOLERANCE)
+    assert first == full.scores[0][:1] == full.scores[1][:1], "the memo's scores are kept"
+    assert [len(r["input_ids"]) for r in runtime.requests] == [1, 2]
+    assert runtime.requests[1]["input_ids"][0] == whole_text_spans(tokenizer, prompt, steps)[0]
+    assert {decode_rid(rid).problem_id for r in runtime.requests for rid in r["rid"]} == {"search/run-1"}
+    assert len({rid for r in runtime.requests for rid in r["rid"]}) == 3, "request ids stay unique"
+    assert full.counts.requests == 2 and full.counts.cached_tokens == sum(
+        len(ids) - 1 for ids in runtime.requests[1]["input_ids"])
+    runtime.requests.clear()
+    scorer.score(chat_prompt(tokenizer, SOLUTIONS[1].problem), [SOLUTIONS[1].search_steps()])
+    assert "rid" not in runtime.requests[0], "outside a run the requests go untagged (the least busy rank)"
+    last = ProbeScorer(ScorerConfig(kind="probe", probe_head=str(random_head(1, "last", seed=3).save(
+        tmp_path / "last.json"))), runtime, tokenizer)
+    assert last.score(prompt, [steps])[0] == pytest.approx(generator_reference(
+        base_dir, random_head(1, "last", seed=3), tokenizer, prompt, steps), abs=TOLERANCE)
+    runtime = MarginGenerator(base_dir, head, answer_margins=False)  # a generator started without the head
+    mute = ProbeScorer(config, runtime, tokenizer)
+    with pytest.raises(ScorerError, match="returned no probe margins.*SGLTTS_PROBE_HEAD"):
+        mute.score(prompt, [steps])
+
+
+def test_a_probe_inside_the_generator_starts_it_with_the_head(tmp_path):
+    from sgl_tts import env_names
+    from sgl_tts.runtime.server import RuntimeConfig
+    from sgl_tts.scoring.probe import DEFAULT_HEAD, generator_with_probe
+
+    generator = RuntimeConfig(env={"A": "1"})
+    assert generator_with_probe(generator, ScorerConfig(kind="probe")).env == {
+        "A": "1", env_names.PROBE_HEAD: str(DEFAULT_HEAD.resolve())}
+    head = random_head(1, "mean").save(tmp_path / "h.json")
+    assert generator_with_probe(generator, ScorerConfig(kind="probe", probe_head=str(head))).env[
+        env_names.PROBE_HEAD] == str(head.resolve())
+    for scorer in (ScorerConfig(kind="probe", runtime=RuntimeConfig(model="smollm2-135m-probe")),
+                   ScorerConfig(kind="likelihood")):
+        assert generator_with_probe(generator, scorer) is generator
+    with pytest.raises(ValueError, match="not a probe head file"):
+        generator_with_probe(generator, ScorerConfig(kind="probe", probe_head=str(tmp_path / "missing.json")))
+    with pytest.raises(ValueError, match="probe_head applies to kind probe without a runtime"):
+        ScorerConfig(kind="likelihood", probe_head="x")
 
 
 # --- runtime tier --------------------------------------------------------------------------------------
@@ -263,3 +392,32 @@ def test_sglang_serves_the_probe_like_the_reference_with_radix_reuse(checkpoint,
         mean_scorer.pooling = "mean"
         expected_mean = reference_scores(base_dir, random_head(1, "mean"), tmp_path / "features")
         assert mean_scorer.score(prompts[0], [paths[0]])[0] == pytest.approx(expected_mean[0], abs=TOLERANCE)
+
+
+@pytest.mark.runtime
+def test_sglang_ranks_keep_each_tokens_probe_margin_by_kv_slot(tiny_runtime, tiny_probe_head, base_dir, tokenizer):
+    """The margins a rank returns equal transformers' for the same ids, for tokens computed in the request, cached
+    from an earlier prefill, and cached from an earlier decode, and the scorer reads them into the reference."""
+    from policies.probe_readout import META_KEY
+    from sgl_tts.frontend.backend import chat_prompt
+    from sgl_tts.runtime.server import http_json
+
+    head = ProbeHead.load(tiny_probe_head)
+    scorer = ProbeScorer(ScorerConfig(kind="probe", probe_head=str(tiny_probe_head)), tiny_runtime, tokenizer)
+    prompts = [chat_prompt(tokenizer, s.problem) for s in SOLUTIONS]
+    paths = [s.search_steps() for s in SOLUTIONS]
+    for prompt, steps in zip(prompts, paths):  # as the generator would have written them: whole paths in its cache
+        http_json(tiny_runtime.url + "/generate", {"text": prompt + "".join(steps),
+                                                   "sampling_params": {"max_new_tokens": 1}})
+    for prompt, steps in zip(prompts, paths):
+        scored = scorer.score_counted(prompt, [steps])
+        assert scored.scores[0] == pytest.approx(generator_reference(base_dir, head, tokenizer, prompt, steps),
+                                                 abs=TOLERANCE)
+        assert scored.counts.cached_tokens >= scored.counts.input_tokens - 1, "the path was read from the cache"
+    prompt_ids = tokenizer(prompts[0] + " Then", add_special_tokens=False).input_ids
+    decoded = http_json(tiny_runtime.url + "/generate", {"input_ids": prompt_ids, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})
+    ids = prompt_ids + decoded["output_ids"]
+    again = http_json(tiny_runtime.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    assert again["meta_info"]["cached_tokens"] >= len(ids) - 2, "the decoded tokens' slots were cached"
+    assert again["meta_info"][META_KEY][0] == pytest.approx(token_margins(base_dir, head, ids), abs=TOLERANCE)

@@ -24,6 +24,7 @@ from sgl_tts.runtime.replicas import ReplicaSet
 from sgl_tts.runtime.server import Runtime, RuntimeConfig, share_cpu_cores
 from sgl_tts.scoring.scorer_config import ScorerConfig
 from sgl_tts.scoring.factory import make_scorer
+from sgl_tts.scoring.probe import generator_with_probe
 from sgl_tts.search.api import Runtimes, SearchConfig, SearchError
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.limits import Limits, check_limits
@@ -89,7 +90,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 def planned_runtimes(config: RunConfig) -> tuple[Any, dict[str, RuntimeConfig]]:
     """The runtimes a session of `config` starts, with the FastTTS settings applied (the generator's policy
     and priority scheduling, the KV split with the scorer) and the CPU cores split between them."""
-    wanted = {"generator": config.generator}
+    wanted = {"generator": generator_with_probe(config.generator, config.scorer)}
     if config.scorer.runtime is not None:
         wanted["scorer"] = config.scorer.runtime
     if isinstance(config.target, RuntimeConfig):

@@ -8,6 +8,11 @@ its paths every iteration re-scores nothing it has scored before. `StepScorer.sc
 bounded memo keyed by (prompt, steps); the longest memoized prefix gives the scores of the first steps, and
 the subclass hook `score_new_steps` scores only the rest, so a child pays for its own step only and the
 verifier runtime can serve the question and the earlier steps from its radix cache.
+
+A scorer that reads from the generator's own runtime (`sgl_tts.scoring.probe`, a head on the generator's hidden
+state) finds the paths' tokens in that runtime's radix cache only on the data-parallel rank that generated them.
+`scoring_run(run_id)` names the program run a scoring call serves (`SearchContext.score` sets it), and such a
+scorer tags its requests with it, so the rank placement (`policies/search_placement.py`) sends them there.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import math
 import threading
 from abc import ABC
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from sgl_tts.registry import Registry
 
@@ -29,6 +36,23 @@ AGGREGATIONS: Registry[Callable[[Sequence[float]], float]] = Registry("aggregati
 })
 
 DEFAULT_MEMO_PATHS = 4096
+
+_scored_run: ContextVar[str | None] = ContextVar("scored_run", default=None)
+
+
+@contextmanager
+def scoring_run(run_id: str | None) -> Iterator[None]:
+    """Within the block, scoring calls of this thread serve program run `run_id` (None: no run)."""
+    token = _scored_run.set(run_id)
+    try:
+        yield
+    finally:
+        _scored_run.reset(token)
+
+
+def scored_run() -> str | None:
+    """The program run the current scoring call serves (`scoring_run`), or None."""
+    return _scored_run.get()
 
 
 def aggregate(step_scores: Sequence[float], strategy: str) -> float:

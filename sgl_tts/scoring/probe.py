@@ -15,6 +15,17 @@ carries b, the pooling and the two token ids.
 The score of step k depends only on the prompt and steps 1..k, so StepScorer's memo supplies the scores
 already given and the scorer asks for logprobs only from the first new step on: SGLang serves a cached
 prefix up to `logprob_start_len` (docs/sglang.md), so in a search only the new step's tokens are computed.
+
+Without a runtime of its own (`scorer.runtime` unset) the probe is read inside the generator's forward: the
+session starts the generator with the head (`generator_with_probe`), every rank keeps the margin w·h of each token
+it computes, by KV slot (policies/probe_readout.py), and the scorer sends each path's text to the generator with
+one token to generate. The path's tokens are in the generator's radix cache, since it wrote them, so a score costs
+the tokens the cache lacks instead of a second model's prefill of the path; the answer carries the margin of every
+position, and a step's score is sigmoid(mean margin + b) as above. The path goes as one text, as the generator was
+sent it (tokenized step by step, a path's ids can part from the generator's at a step boundary and the rest would
+be computed again), and each step's tokens are those that begin inside it (`whole_text_spans`). Requests carry the
+lineage tag of the program run they score (`sgl_tts.scoring.base.scoring_run`), so a generator of several
+data-parallel ranks serves them on the rank whose cache holds the run.
 """
 
 from __future__ import annotations
@@ -23,12 +34,17 @@ import hashlib
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from policies.base import BeamTag, encode_rid
+from policies.probe_readout import META_KEY
+from sgl_tts import env_names
 from sgl_tts.runtime.models import register_builtin_model
-from sgl_tts.scoring.base import ScoreCounts, StepScorer
+from sgl_tts.runtime.server import RuntimeConfig
+from sgl_tts.scoring.base import ScoreCounts, ScorerError, StepScorer, scored_run
 from sgl_tts.scoring.runtime_calls import post_to_runtime
 from sgl_tts.scoring.scorer_config import ScorerConfig
 
@@ -92,6 +108,21 @@ def step_spans(tokenizer: Any, prompt: str, steps: Sequence[str]) -> tuple[list[
         if len(ids) == 0:
             raise ValueError(f"step {len(spans)} is empty and nothing comes before it: no token to read it at")
         spans.append((start, len(ids)))
+    return ids, spans
+
+
+def whole_text_spans(tokenizer: Any, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of prompt + steps tokenized as one text, and each step's [start, end) token range: the tokens that
+    begin inside the step's characters (a token across a boundary counts for the step it begins in)."""
+    encoded = tokenizer(prompt + "".join(steps), add_special_tokens=False, return_offsets_mapping=True)
+    ids, begins = list(encoded.input_ids), [begin for begin, _ in encoded.offset_mapping]
+    if not ids:
+        raise ValueError("the prompt and steps are empty: no token to read a step at")
+    spans, end_char, end = [], len(prompt), bisect_left(begins, len(prompt))
+    for step in steps:
+        start, end_char = end, end_char + len(step)
+        end = bisect_left(begins, end_char)
+        spans.append((start, end))
     return ids, spans
 
 
@@ -164,8 +195,28 @@ def _single_token(tokenizer: Any, text: str) -> int:
     return ids[0]
 
 
+def probe_head_path(config: ScorerConfig) -> Path:
+    """The head file a probe read inside the generator uses: `scorer.probe_head` (a file, or a committed head's
+    name), or the committed default head."""
+    if config.probe_head is None:
+        return DEFAULT_HEAD
+    path = Path(config.probe_head)
+    return path if path.suffix == ".json" or path.is_file() else HEADS_DIR / f"{config.probe_head}.json"
+
+
+def generator_with_probe(generator: RuntimeConfig, scorer: ScorerConfig) -> RuntimeConfig:
+    """The generator's runtime config, with the probe head its ranks compute margins of when the probe is read
+    inside it (kind probe, no runtime of its own); otherwise `generator` as it is."""
+    if scorer.kind != "probe" or scorer.runtime is not None:
+        return generator
+    path = probe_head_path(scorer)
+    ProbeHead.load(path)  # a clear error now rather than in the generator's log
+    return replace(generator, env={**generator.env, env_names.PROBE_HEAD: str(path.resolve())})
+
+
 class ProbeScorer(StepScorer):
-    """P(step correct) from a probe checkpoint (`build_probe_checkpoint`) on a plain SGLang runtime."""
+    """P(step correct) from a probe checkpoint (`build_probe_checkpoint`) on a plain SGLang runtime, or from the
+    margins a generator started with the head computes (`generator_with_probe`)."""
 
     name = "probe"
 
@@ -174,11 +225,16 @@ class ProbeScorer(StepScorer):
         self.runtime = runtime  # sgl_tts.runtime.server.Runtime (needs .url, .name, .model_path, .check_alive())
         self.tokenizer = tokenizer
         probe_file = Path(runtime.model_path) / PROBE_FILE
+        self.in_generator = config.runtime is None and not probe_file.is_file()
+        if self.in_generator:
+            head = ProbeHead.load(probe_head_path(config))
+            self.pooling, self.bias = head.pooling, head.bias
+            return
         if not probe_file.is_file():
             raise ValueError(f"scorer 'probe': the scorer runtime's model {runtime.model_path} has no {PROBE_FILE}; "
                              "serve a probe checkpoint (model: smollm2-135m-probe, or `sgl-tts train prm`)")
         probe = json.loads(probe_file.read_text())
-        self.pooling: Pooling = probe["pooling"]
+        self.pooling = probe["pooling"]
         self.bias = float(probe["bias"])
         self.positive_id, self.negative_id = int(probe["positive_token_id"]), int(probe["negative_token_id"])
 
@@ -186,10 +242,36 @@ class ProbeScorer(StepScorer):
                         counts: ScoreCounts) -> list[list[float]]:
         """One batched request for the new steps of every path (StepScorer's memo supplies the rest), after the
         prefix the paths share alone when several are read from their start (`_prefill_shared_prefix`)."""
+        if self.in_generator:
+            return self._read_generator(prompt, paths, first_new, counts)
         requests = [(index, *step_spans(self.tokenizer, prompt, steps), first)
                     for index, (steps, first) in enumerate(zip(paths, first_new))]
         self._prefill_shared_prefix([ids for _, ids, _, _ in requests], first_new, self._generate, counts)
         return self._request(requests, counts)
+
+    def _read_generator(self, prompt: str, paths: Sequence[Sequence[str]], first_new: Sequence[int],
+                        counts: ScoreCounts) -> list[list[float]]:
+        """One batched request to the generator for every path's margins; the new steps' scores from them."""
+        requests = [whole_text_spans(self.tokenizer, prompt, steps) for steps in paths]
+        payload: dict[str, Any] = {"input_ids": [ids for ids, _ in requests],
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        run = scored_run()
+        if run is not None:  # on the rank whose radix cache holds the run (policies/search_placement.py)
+            payload["rid"] = [encode_rid(BeamTag(run, 0, 0)) for _ in requests]
+        answers = self._generate(payload)
+        answers = answers if isinstance(answers, list) else [answers]
+        out = []
+        for (ids, spans), first, answer in zip(requests, first_new, answers, strict=True):
+            meta = answer["meta_info"]
+            self._count_answer(meta, len(ids), counts)
+            margins = (meta.get(META_KEY) or [None])[0]
+            if margins is None or len(margins) != len(ids):
+                raise ScorerError(f"the generator at {self.runtime.url} returned no probe margins for a path of "
+                                  f"{len(ids)} tokens: it must run with {env_names.PROBE_HEAD} naming the head "
+                                  "(a session of kind probe without a scorer runtime starts it so)")
+            out.append([_sigmoid(sum(margins[p] for p in positions) / len(positions) + self.bias)
+                        for positions in (readout_positions(span, self.pooling) for span in spans[first:])])
+        return out
 
     def _generate(self, payload: dict[str, Any]) -> Any:
         return post_to_runtime(self.runtime, "/generate", payload)

@@ -30,6 +30,9 @@ class ScorerConfig:
     # step each call (the naive baseline). memo_paths bounds the memo of scored paths.
     incremental: bool = True
     memo_paths: int = 4096
+    # Probe (kind probe) without a runtime of its own: the head the generator's ranks compute margins of, a file
+    # or a committed head's name (sgl_tts/scoring/heads); None: the committed default head.
+    probe_head: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -45,6 +48,8 @@ class ScorerConfig:
                 raise ValueError(f"{name} must be a token id (int >= 0) or null, got {value!r}")
         if self.positive_token_id is not None and self.positive_token_id == self.negative_token_id:
             raise ValueError(f"positive_token_id and negative_token_id must differ, both are {self.positive_token_id}")
+        if self.probe_head is not None and (self.kind != "probe" or self.runtime is not None):
+            raise ValueError("probe_head applies to kind probe without a runtime (the probe read inside the generator)")
         if self.memo_paths < 1:
             raise ValueError(f"memo_paths must be at least 1, got {self.memo_paths}")
         try:

@@ -30,9 +30,10 @@ import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
+from policies.base import decode_rid
 from sgl_tts.frontend.ledger import Request, RequestLedger
 from sgl_tts.frontend.sglang_internals import running_search, searching
-from sgl_tts.scoring.base import ScoredPaths, StepScorer, rank_key
+from sgl_tts.scoring.base import ScoredPaths, StepScorer, rank_key, scoring_run
 from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.grading import normalize_answer
 from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, SettledAnswerRule, Stopping, TraceConfidenceRule
@@ -87,6 +88,7 @@ class SearchContext:
         self._changed = threading.Condition()
         self._cancelled = False
         self._in_flight: dict[str, int] = {}  # rid -> requests in flight with it
+        self.last_run: str | None = None  # the program run of the latest tagged request (`score` serves it)
         self._tickets_issued = self._tickets_admitted = 0  # requests queued / sent under `stopping.stage`
         self.aborted_requests = 0  # requests answered with finish_reason 'abort'
         self.clock = clock
@@ -136,6 +138,9 @@ class SearchContext:
             self._refuse_if_cancelled()
             self.refuse_if_stopped()
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+            tag = decode_rid(rid)
+            if tag is not None:
+                self.last_run = tag.problem_id
 
     def _wait_for_a_stage_slot(self) -> None:
         """With `stopping.stage` k > 0, wait (holding no lock) until fewer than k requests are in flight and every
@@ -371,7 +376,8 @@ class SearchContext:
             paths = ranked[:Narrowing.verifier_batch(len(paths))]
             self.extra["narrowed_verifier_calls"] = self.extra.get("narrowed_verifier_calls", 0) + 1
         began = self.clock()
-        scored = scorer.score_counted(prompt, [p.steps for p in paths])
+        with scoring_run(self.last_run):  # a scorer on the generator's runtime reads the run's cached tokens
+            scored = scorer.score_counted(prompt, [p.steps for p in paths])
         seconds = self.clock() - began
         self.verifier_time_s += seconds
         self.verifier_calls += 1
