@@ -174,3 +174,42 @@ def test_fasttts_on_is_not_compared_with_off_unless_asked(monkeypatch, capsys):
     assert len(arms) == 4 and not restarted and session.closed
     print_comparison(arms)
     assert "FastTTS on/off: not compared" in capsys.readouterr().out
+
+
+def test_greedy_starts_beside_the_search_once_its_last_problems_are_in_flight():
+    from sgl_tts.app.compare import GreedyReference
+
+    config = RunConfig(search=SearchConfig(program="best_of_n", n=2, max_steps=2, max_step_tokens=8, max_tokens=16,
+                                           temperature=0.7))
+    session = ScriptedSession(config)
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(5)]
+    greedy = GreedyReference(session, problems)
+    followed = greedy.follow(session.solve_all(problems, concurrency=2), start_after=3)
+    searched = []
+    for passed in range(1, 6):
+        searched.append(next(followed))
+        assert greedy.started_after == (3 if passed >= 3 else None), passed
+    assert next(followed, None) is None
+    pairs = greedy.results()
+    assert [p.id for p, _ in pairs] == [p.id for p in problems]
+    greedy_solves = [(program, problem) for program, problem, r in session.solved
+                     if program == "self_consistency"]
+    assert sorted(p.id for _, p in greedy_solves) == sorted(p.id for p in problems), "each problem once"
+    lines = []
+    arms = run_comparison(session, problems, searched, log=lines.append, greedy=greedy)
+    assert arms[0].problems == 5 and "solved beside the search's last 2 problems" in lines[0]
+    assert len([1 for program, _, _ in session.solved if program == "self_consistency"]) == 5, "not solved again"
+
+
+def test_greedy_started_by_no_search_runs_after_it_and_says_nothing_of_a_load():
+    from sgl_tts.app.compare import GreedyReference
+
+    config = RunConfig(search=SearchConfig(program="best_of_n", n=2, max_steps=2, max_step_tokens=8, max_tokens=16))
+    session = ScriptedSession(config)
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(2)]
+    greedy = GreedyReference(session, problems)
+    assert list(greedy.follow([], start_after=0)) == [] and greedy.started_after == 0, "all in flight at once"
+    lines = []
+    later = GreedyReference(session, problems)
+    run_comparison(session, problems, list(session.solve_all(problems)), log=lines.append, greedy=later)
+    assert later.started_after is None and "beside" not in lines[0]

@@ -43,7 +43,7 @@ def test_placements_match_a_brute_force_replay():
     """Random runs and loads: each request's rank equals the rank a replay that keeps every run's first rank
     and otherwise takes the first least-loaded rank gives."""
     rng = random.Random(3)
-    placement = SearchPlacement()
+    placement = SearchPlacement(clock=lambda: 0.0)  # no run ever settles: E stays 1, nothing is reserved
     first_rank: dict[str, int] = {}
     for _ in range(2000):
         run = rng.choice([None] + [f"run/{i}" for i in range(40)])
@@ -55,6 +55,53 @@ def test_placements_match_a_brute_force_replay():
             if run is not None:
                 first_rank[run] = expected
         assert got == expected
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_burst_of_new_runs_is_split_evenly_when_the_loads_lag_behind():
+    """SGLang's snapshots lag the dispatches: in a burst every new run sees the same loads. Counted in requests,
+    all of them would go to one rank; counted at the load a run reaches, they alternate."""
+    clock = FakeClock()
+    placement = SearchPlacement(settle_s=5.0, clock=clock)
+    for index in range(4):  # earlier runs: a prompt, then 16 samples, within their first seconds
+        for _ in range(17):
+            placement.place(f"old/{index}", [0, 0])
+        clock.now += 0.1
+    assert placement.expected_sends() == 1, "no run has settled yet"
+    clock.now += 6.0
+    placement.settle()
+    assert placement.expected_sends() == 17
+    ranks = [placement.place(f"new/{index}", [0, 0]) for index in range(16)]
+    assert ranks.count(0) == ranks.count(1) == 8, ranks
+    assert SearchPlacement(clock=clock).place("fresh", [0, 0]) == 0
+    unreserved = SearchPlacement(clock=clock)
+    assert [unreserved.place(f"new/{index}", [0, 0]) for index in range(4)] == [0, 0, 0, 0], "requests alone"
+
+
+def test_a_young_runs_reservation_shrinks_as_it_sends_and_ends_when_it_settles():
+    clock = FakeClock()
+    placement = SearchPlacement(settle_s=5.0, clock=clock)
+    for index in range(3):
+        for _ in range(10):
+            placement.place(f"old/{index}", [0, 0])
+    clock.now = 10.0
+    assert placement.place("a", [0, 0]) == 0 and placement.expected_sends() == 10
+    assert placement.reserved(2) == [9, 0]
+    for _ in range(6):
+        assert placement.place("a", [0, 0]) == 0
+    assert placement.reserved(2) == [3, 0]
+    assert placement.place("b", [3, 0]) == 1, "3 requests and 3 reserved on rank 0"
+    assert placement.place("c", [4, 9]) == 0, "4 + 3 against 9 + 9"
+    clock.now = 15.0  # a, b and c have settled: their loads are in the snapshots now
+    assert placement.reserved(2) == [0, 0] and placement.place("d", [5, 4]) == 1
+    assert placement.expected_sends() == 8  # the median of 10, 10, 10, 7, 1 and 1 (8.5, rounded to even)
 
 
 class FakeController:

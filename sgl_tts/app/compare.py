@@ -1,8 +1,11 @@
 """`sgl-tts run --compare`: what the configured search buys, side by side in one run.
 
-Two references, then two arms (three when asked), on the same problems, after one another:
+Two references, then two arms (three when asked), on the same problems:
 0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
-   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, one of each search's samples: no new draw);
+   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, one of each search's samples: no new draw).
+   `sgl-tts run` solves greedy beside the search's last problems (`GreedyReference`): its requests fill the batch
+   slots the search leaves as its last problems end, where on its own it would be a batch of short answers
+   waiting on its longest (about 45 s of `make run` on 2 cores);
 1. the configured search (the CPU default: best-of-N with its verifier, FastTTS switches as configured);
 2. self-consistency (majority vote, no verifier) at matched generated tokens. When arm 1's candidates are
    independent whole solutions (best-of-N, `WHOLE_SAMPLE_PROGRAMS`) it is the majority of those very samples:
@@ -24,7 +27,8 @@ import dataclasses
 import hashlib
 import math
 import statistics
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterable, Iterator, Sequence
 
 from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
 from sgl_tts.measure.metrics import mean_goodput
@@ -130,25 +134,77 @@ def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None =
     return console_table(columns, rows, rule=True)
 
 
+def one_sample_search(search: Any) -> Any:
+    """The search config of one sample at the search's temperature (self-consistency of n = 1)."""
+    return dataclasses.replace(search, program="self_consistency", n=1)
+
+
+class GreedyReference:
+    """The greedy arm, solved on a thread of its own beside the search: `follow` passes the search's results
+    through and starts it once `start_after` of them have passed (the search's last problems are then all in
+    flight); `results` waits for it, starting it first if nothing did."""
+
+    def __init__(self, session: Any, problems: Sequence[Any]):
+        self.session, self.problems = session, list(problems)
+        self.started_after: int | None = None  # search results passed when it started
+        self._pairs: list[tuple[Any, SearchResult]] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, passed: int | None = None) -> None:
+        """Start solving, `passed` search results into the search (None: after it)."""
+        if self._thread is not None:
+            return
+        self.started_after = passed
+        greedy = dataclasses.replace(one_sample_search(self.session.config.search), temperature=0.0)
+
+        def solve() -> None:
+            try:  # every problem at once: one answer per problem is a small batch
+                self._pairs.extend(self.session.solve_all(self.problems, search=lambda p: greedy,
+                                                          concurrency=len(self.problems)))
+            except BaseException as exc:  # handed to the thread that asks for the results
+                self._error = exc
+
+        self._thread = threading.Thread(target=solve, name="greedy-reference", daemon=True)
+        self._thread.start()
+
+    def follow(self, pairs: Iterable[tuple[Any, SearchResult]], start_after: int) -> Iterator[tuple[Any, Any]]:
+        passed = 0
+        if start_after <= 0:  # every problem of the search is in flight from its start
+            self.start(0)
+        for pair in pairs:
+            passed += 1
+            if passed >= start_after:
+                self.start(passed)
+            yield pair
+
+    def results(self) -> list[tuple[Any, SearchResult]]:
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._pairs
+
+
 def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
-                   log=print, fasttts_off: bool = False) -> list[ArmSummary]:
+                   log=print, fasttts_off: bool = False, greedy: GreedyReference | None = None) -> list[ArmSummary]:
     """The references and arm 2 (and arm 3 with `fasttts_off`) around `searched`, arm 1's (problem, result) pairs
-    from `session`; returns them all, greedy first. `session` is closed on return (arm 3 restarts its
-    runtimes)."""
+    from `session`; returns them all, greedy first. `greedy`: the greedy arm already under way beside the search
+    (default: solved now). `session` is closed on return (arm 3 restarts its runtimes)."""
     from sgl_tts.app.session import Session
 
     config = session.config
     search_label = f"{config.search.program} n={config.search.n}, {config.scorer.kind} verifier"
-    one = dataclasses.replace(config.search, program="self_consistency", n=1)
+    one = one_sample_search(config.search)
     whole_samples = config.search.program in WHOLE_SAMPLE_PROGRAMS
-    log("\ngreedy (one answer at temperature 0), the reference" + (
+    greedy = greedy or GreedyReference(session, problems)
+    beside = (f", solved beside the search's last {len(searched) - greedy.started_after} problems (its latency "
+              "under their load)" if greedy.started_after is not None else "")
+    log("\ngreedy (one answer at temperature 0), the reference" + beside + (
         f"; one sample at temperature {one.temperature:g}: one of each search's samples, drawn uniformly"
         if whole_samples else
         ", and one sample at the search's temperature"))
-    # One answer per problem is a small batch: every problem at once keeps the engine's batch full.
-    arms = [ArmSummary.of("greedy, one answer",
-                          list(session.solve_all(problems, search=lambda p: dataclasses.replace(one, temperature=0.0),
-                                                 concurrency=len(problems)))),
+    arms = [ArmSummary.of("greedy, one answer", greedy.results()),
             ArmSummary.of(f"one sample, temperature {one.temperature:g}",
                           [(problem, one_sample(result)) for problem, result in searched] if whole_samples else
                           list(session.solve_all(problems, search=lambda p: one)))]

@@ -85,6 +85,12 @@ def run_command(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
         searched: list = []
         solved = _write_trees(session.solve_all(problems), args.tree)
+        greedy = None
+        if args.compare or args.compare_fasttts:  # the greedy reference beside the search's last problems
+            from sgl_tts.app.compare import GreedyReference
+
+            greedy = GreedyReference(session, problems)
+            solved = greedy.follow(solved, start_after=len(problems) - config.concurrency)
         timelines: list = []
         if args.timeline:
             solved = _write_timelines(solved, args.timeline, timelines)
@@ -102,7 +108,8 @@ def run_command(args: argparse.Namespace) -> int:
         if args.compare or args.compare_fasttts:
             from sgl_tts.app.compare import print_comparison, run_comparison
 
-            print_comparison(run_comparison(session, problems, searched, fasttts_off=args.compare_fasttts))
+            print_comparison(run_comparison(session, problems, searched, fasttts_off=args.compare_fasttts,
+                                            greedy=greedy))
         return code
 
 
