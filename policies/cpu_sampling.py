@@ -80,7 +80,6 @@ def split_hook(original: Callable[..., Any], probs: Any, top_ks: Any, top_ps: An
     plain = (top_ks >= vocab) & (top_ps >= 1.0)
     if need_min_p_sampling:
         plain &= min_ps <= 0.0
-    plain &= ~greedy
     tokens = torch.empty(probs.shape[0], dtype=torch.int32)
     if bool(greedy.any()):
         tokens[greedy] = probs[greedy].argmax(dim=-1).to(torch.int32)

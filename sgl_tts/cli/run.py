@@ -85,8 +85,8 @@ def run_command(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} {rt.url}" for name, rt in session.runtimes.items()), flush=True)
         searched: list = []
         solved = _write_trees(session.solve_all(problems), args.tree)
-        greedy = None
-        if args.compare or args.compare_fasttts:  # the greedy reference beside the search's last problems
+        comparing, greedy = args.compare or args.compare_fasttts, None
+        if comparing:  # the greedy reference beside the search's last problems
             from sgl_tts.app.compare import GreedyReference
 
             greedy = GreedyReference(session, problems)
@@ -105,7 +105,7 @@ def run_command(args: argparse.Namespace) -> int:
             plot_latency_vs_context(timelines, Path(args.timeline) / "latency-vs-context.png",
                                     f"{config.search.program} n={config.search.n}: step latency vs context length")
             print(f"timelines: {args.timeline}/ (one per problem, latency-vs-context.png)", flush=True)
-        if args.compare or args.compare_fasttts:
+        if comparing:
             from sgl_tts.app.compare import print_comparison, run_comparison
 
             print_comparison(run_comparison(session, problems, searched, fasttts_off=args.compare_fasttts,
