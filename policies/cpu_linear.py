@@ -34,10 +34,21 @@ is the same normalizer from the live rows alone (`sparse_row_log_normalizer`, in
 took the live-rows path: its only caller reads logits of that head). 94 -> 0.06 ms for 256 rows of 49,152, one
 thread; in a py-spy sample of the probe verifier during `make run` the normalizer was 14% of its time.
 
-The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed (`sgl_tts/runtime/server.py`
-sets it on every CPU runtime; packed-dense packs every head whole, to measure the live-rows head against); any
-call that is not a plain fp32 product on the CPU (CUDA, bf16, quantized or LoRA heads, SGLang's own AMX path)
-goes to SGLang's code unchanged.
+On a CPU with AMX (amx_bf16), oneDNN multiplies bf16 matrices on its tile units. With $SGLTTS_CPU_LINEAR=packed-bf16
+the packed copy is the weight rounded to bf16 (half the memory of the fp32 copy) and every call rounds its input
+to bf16; oneDNN sums in fp32 and rounds the result to bf16:
+
+    y = float(bf16(bf16(x) bf16(W)^T)) + b    three roundings of <= 2^-8 each; ~4e-3 relative on SmolLM2's head
+
+The model's state between layers (residual stream, norms, attention, KV cache) stays fp32, as does a live-rows
+head. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX: 39 -> 21 ms at 16 rows, 82 -> 57
+ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
+`sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
+
+The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed or packed-bf16
+(`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every head whole, to measure the
+live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
+LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +60,10 @@ LM_HEAD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm
 NORMALIZER_TARGET = "sglang.srt.layers.logprob_processor.compute_row_log_normalizer"
 PACKED = "packed"  # the value of $SGLTTS_CPU_LINEAR that installs them
 PACKED_DENSE = "packed-dense"  # the same with every head packed whole (to measure the live-rows head against)
-VALUES = (PACKED, PACKED_DENSE)
+PACKED_BF16 = "packed-bf16"  # the same on weights and inputs rounded to bf16 (CPUs with AMX)
+VALUES = (PACKED, PACKED_DENSE, PACKED_BF16)
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
+_BF16_CACHE = "_sgltts_packed_bf16_weight"  # module attribute: (the weight's identity, its packed bf16 copy)
 _ROWS_CACHE = "_sgltts_live_rows"  # module attribute: (the weight's identity, (live rows, their weights) or None)
 SPARSE_HEAD_SHARE = 1 / 64  # at most this share of a head's rows live: computed on those rows alone
 PLAIN_LM_HEAD_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
@@ -71,6 +84,13 @@ def packed_weight(module: Any) -> Any:
     import torch
 
     return per_weight(module, _CACHE, torch.ops.mkldnn._reorder_linear_weight)
+
+
+def packed_bf16_weight(module: Any) -> Any:
+    """`module.weight` rounded to bf16 and reordered into oneDNN's layout, as `packed_weight`."""
+    import torch
+
+    return per_weight(module, _BF16_CACHE, lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16()))
 
 
 def per_weight(module: Any, attribute: str, derive: Callable[[Any], Any]) -> Any:
@@ -116,18 +136,38 @@ def packed_linear(x: Any, packed: Any, bias: Any = None) -> Any:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
+    """fp32 x [..., K] rounded to bf16, times the packed bf16 weight [N, K] transposed (a bf16 result), in fp32,
+    plus bias."""
+    out = packed_linear(x.bfloat16(), packed_bf16).float()
+    return out if bias is None else out + bias
+
+
+def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False) -> Any:
+    """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its packed bf16 one."""
+    if bf16:
+        return bf16_packed_linear(x, packed_bf16_weight(module), bias)
+    return packed_linear(x, packed_weight(module), bias)
+
+
+def linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None,
+                bf16: bool = False) -> Any:
     """An AROUND hook for `UnquantizedLinearMethod.apply(layer, x, bias)`."""
     if getattr(layer, "use_intel_amx_backend", False) or not applies(x, layer.weight):
         return original(method, layer, x, bias)
-    return packed_linear(x, packed_weight(layer), bias)
+    return dense_linear(x, layer, bias, bf16)
+
+
+def bf16_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """`linear_hook` on bf16 weights ($SGLTTS_CPU_LINEAR=packed-bf16)."""
+    return linear_hook(original, method, layer, x, bias, bf16=True)
 
 
 def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
-                 embedding_bias: Any = None, sparse_heads: bool = True, **kwargs: Any) -> Any:
+                 embedding_bias: Any = None, sparse_heads: bool = True, bf16: bool = False, **kwargs: Any) -> Any:
     """An AROUND hook for `LogitsProcessor._compute_lm_head`: the plain head (an unquantized weight, no LoRA, no
-    fp32-upcast or RL settings) on its live rows when it has few (`sparse_heads`), else through `packed_linear`;
-    every other head through SGLang's code."""
+    fp32-upcast or RL settings) on its live rows when it has few (`sparse_heads`), else through `dense_linear`
+    (on bf16 weights with `bf16`); every other head through SGLang's code."""
     plain = (type(getattr(lm_head, "quant_method", None)).__name__ in PLAIN_LM_HEAD_METHODS
              and not hasattr(lm_head, "set_lora") and hasattr(lm_head, "weight")
              and not getattr(lm_head, "use_intel_amx_backend", False)
@@ -140,7 +180,7 @@ def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: An
         _sparse_head[:] = [sparse[0], lm_head.weight.shape[0]]
         return sparse_rows_linear(hidden_states, *sparse, lm_head.weight.shape[0])
     _sparse_head.clear()
-    return packed_linear(hidden_states, packed_weight(lm_head))
+    return dense_linear(hidden_states, lm_head, bf16=bf16)
 
 
 def sparse_row_log_normalizer(logits: Any, rows: Any) -> tuple[Any, Any]:
@@ -165,3 +205,9 @@ def dense_lm_head_hook(original: Callable[..., Any], processor: Any, hidden_stat
                        embedding_bias: Any = None, **kwargs: Any) -> Any:
     """`lm_head_hook` with every plain head packed whole ($SGLTTS_CPU_LINEAR=packed-dense)."""
     return lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias, sparse_heads=False, **kwargs)
+
+
+def bf16_lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
+                      embedding_bias: Any = None, **kwargs: Any) -> Any:
+    """`lm_head_hook` with a dense head on bf16 weights ($SGLTTS_CPU_LINEAR=packed-bf16)."""
+    return lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias, bf16=True, **kwargs)

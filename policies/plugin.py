@@ -98,11 +98,14 @@ def register() -> None:
         switched_on.append((hooks, f"{attention} attention installed on {targets}; {idle_wait.TARGET} waits for "
                                    f"requests"))
     if linear in cpu_linear.VALUES:
-        head_hook = cpu_linear.lm_head_hook if linear == cpu_linear.PACKED else cpu_linear.dense_lm_head_hook
-        switched_on.append(([(cpu_linear.LINEAR_TARGET, cpu_linear.linear_hook, "AROUND"),
+        linear_hook, head_hook = {cpu_linear.PACKED: (cpu_linear.linear_hook, cpu_linear.lm_head_hook),
+                                  cpu_linear.PACKED_DENSE: (cpu_linear.linear_hook, cpu_linear.dense_lm_head_hook),
+                                  cpu_linear.PACKED_BF16: (cpu_linear.bf16_linear_hook,
+                                                           cpu_linear.bf16_lm_head_hook)}[linear]
+        switched_on.append(([(cpu_linear.LINEAR_TARGET, linear_hook, "AROUND"),
                              (cpu_linear.LM_HEAD_TARGET, head_hook, "AROUND"),
                              (cpu_linear.NORMALIZER_TARGET, cpu_linear.normalizer_hook, "AROUND")],
-                            f"packed linear layers installed on {cpu_linear.LINEAR_TARGET} and "
+                            f"{linear} linear layers installed on {cpu_linear.LINEAR_TARGET} and "
                             f"{cpu_linear.LM_HEAD_TARGET}, live-rows normalizer on {cpu_linear.NORMALIZER_TARGET}"))
     if sampling == cpu_sampling.CDF:
         switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND"),

@@ -1,4 +1,13 @@
+import os
+
 import pytest
+
+from sgl_tts import env_names
+
+# The runtimes the tests start compute their linear layers in fp32 on every CPU, so that tests comparing a
+# runtime with transformers' fp32 model hold to fp32's tolerances; a CPU with AMX would otherwise run them in bf16
+# (sgl_tts/runtime/server.py). tests/test_cpu_linear.py starts a bf16 runtime of its own.
+os.environ.setdefault(env_names.CPU_LINEAR, "packed")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.quantization.unquant")
 
-from policies.cpu_linear import (applies, dense_lm_head_hook, linear_hook, live_rows, lm_head_hook,  # noqa: E402
-                                 packed_linear, packed_weight)
+from policies.cpu_linear import (applies, bf16_linear_hook, bf16_lm_head_hook, dense_lm_head_hook,  # noqa: E402
+                                 linear_hook, live_rows, lm_head_hook, packed_bf16_weight, packed_linear,
+                                 packed_weight)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -37,6 +38,48 @@ def test_packed_linear_matches_f_linear(shape, with_bias):
     assert got.shape == expected.shape
     assert ((got.double() - exact).abs() <= bound).all()
     assert ((expected.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (64, 1536), (3, 5, 64)])
+def test_the_bf16_linear_is_the_product_of_the_rounded_factors(shape):
+    """packed-bf16: the exact product of x and W each rounded to bf16, summed in fp32 and rounded to bf16 (relative
+    error <= u = 2^-8 of a bf16 rounding), plus the fp32 bias; so within ~3u of sum_k |x_k w_k| of the exact fp32
+    product (three roundings); and not the fp32 product itself (it does round)."""
+    layer = layer_of(96, shape[-1], seed=len(shape))
+    generator = torch.Generator().manual_seed(len(shape) + 1)
+    x = torch.randn(*shape, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    calls = []
+    got = bf16_linear_hook(lambda *args: calls.append(args), None, layer, x, bias)
+    assert calls == [] and got.dtype == torch.float32 and got.shape == (*shape[:-1], 96)
+    magnitude = torch.nn.functional.linear(x.double().abs(), layer.weight.double().abs())
+    summation = shape[-1] * torch.finfo(torch.float32).eps * magnitude
+    rounded = torch.nn.functional.linear(x.bfloat16().double(), layer.weight.bfloat16().double())
+    assert ((got.double() - bias - rounded).abs() <= 2.0 ** -8 * rounded.abs() + summation + 1e-5).all()
+    exact = torch.nn.functional.linear(x.double(), layer.weight.double(), bias.double())
+    assert ((got.double() - exact).abs() <= 3.01 * 2.0 ** -8 * magnitude + summation + 1e-5).all()
+    assert (got.double() - exact).abs().max() > 1e-4
+    assert packed_bf16_weight(layer) is packed_bf16_weight(layer)  # packed once
+    assert linear_hook(lambda *args: "sglang", None, layer, x.bfloat16(), bias=None, bf16=True) == "sglang"
+
+
+def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    processor = types.SimpleNamespace(rl_on_policy_target=None, use_fp32_lm_head=False)
+    hidden = torch.randn(6, 64)
+    head = layer_of(500, 64)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    got = bf16_lm_head_hook(None, processor, hidden, head)
+    rounded = hidden.bfloat16().double() @ head.weight.bfloat16().double().T
+    torch.testing.assert_close(got.double(), rounded, rtol=2.0 ** -8, atol=1e-4)
+    assert (got.double() - hidden.double() @ head.weight.double().T).abs().max() > 1e-4
+    sparse = layer_of(4096, 64)
+    sparse.weight.data[:] = 0
+    sparse.weight.data[[3, 4000]] = torch.randn(2, 64)
+    sparse.quant_method = head.quant_method
+    torch.testing.assert_close(bf16_lm_head_hook(None, processor, hidden, sparse), hidden @ sparse.weight.T,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_the_weight_is_packed_once_and_again_after_it_changes():
@@ -176,3 +219,55 @@ def test_the_normalizer_hook_serves_only_a_process_whose_head_took_the_live_rows
     assert sglangs == [(5, 4096), (5, 1000), (5, 4096)]
     biased = lm_head_hook(lambda *args, **kwargs: "sglang's head", processor, hidden, head, torch.ones(4096))
     assert biased == "sglang's head", "a head with an embedding bias is SGLang's (the packed paths add none)"
+
+
+def test_cpu_runtimes_take_bf16_linear_layers_only_where_the_cpu_has_amx_bf16(monkeypatch):
+    from sgl_tts import env_names
+    from sgl_tts.runtime import server
+
+    monkeypatch.delenv(env_names.CPU_LINEAR, raising=False)
+    monkeypatch.setattr(server, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile", "amx_bf16"})
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed-bf16"
+    kept = server.RuntimeConfig(env={env_names.CPU_LINEAR: "packed"})  # a config that keeps fp32
+    assert server.server_env(kept)[env_names.CPU_LINEAR] == "packed"
+    assert env_names.CPU_LINEAR not in server.server_env(server.RuntimeConfig(device="cuda"))
+    monkeypatch.setattr(server, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})  # bf16 dot products, no AMX
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed"
+    monkeypatch.setenv(env_names.CPU_LINEAR, "sglang")  # the caller's environment wins
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "sglang"
+
+
+@pytest.mark.runtime
+def test_a_bf16_runtime_decodes_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path):
+    """A runtime with $SGLTTS_CPU_LINEAR=packed-bf16 (the default where the CPU has AMX): greedy decoding with the
+    logprobs of transformers' fp32 model to within bf16's rounding, and not the fp32 runtime's exact ones (the
+    bf16 path did run). Both runtimes answer the same prompts; the fp32 one is the shared test runtime."""
+    from transformers import AutoModelForCausalLM
+
+    from sgl_tts import env_names
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig, http_json
+
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 60]
+
+    def logprobs(url, ids):
+        answer = http_json(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+        return answer["meta_info"]["output_token_logprobs"]
+
+    config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, env={env_names.CPU_LINEAR: "packed-bf16"})
+    with Runtime.start(config, name="tiny-bf16", log_dir=tmp_path) as bf16_runtime:
+        served = [logprobs(bf16_runtime.url, ids) for ids in prompts]
+        log = bf16_runtime.log_path.read_text()
+    assert "packed-bf16 linear layers installed" in log
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
+    largest_difference_from_fp32 = 0.0
+    for ids, answer in zip(prompts, served):
+        generated = [token for _, token, _ in answer]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1]
+        reference = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
+        got = torch.tensor([logprob for logprob, _, _ in answer])
+        torch.testing.assert_close(got, reference, atol=2e-2, rtol=0)
+        fp32 = torch.tensor([logprob for logprob, _, _ in logprobs(tiny_runtime.url, ids)[:len(generated)]])
+        largest_difference_from_fp32 = max(largest_difference_from_fp32, (got - fp32).abs().max().item())
+    assert largest_difference_from_fp32 > 1e-5

@@ -204,8 +204,10 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
         HookRegistry.reset()
 
 
-@pytest.mark.parametrize("value, head_hook", [("packed", "lm_head_hook"), ("packed-dense", "dense_lm_head_hook")])
-def test_the_linear_setting_chooses_the_heads_hook(monkeypatch, value, head_hook):
+@pytest.mark.parametrize("value, layer_hook, head_hook", [("packed", "linear_hook", "lm_head_hook"),
+                                                          ("packed-dense", "linear_hook", "dense_lm_head_hook"),
+                                                          ("packed-bf16", "bf16_linear_hook", "bf16_lm_head_hook")])
+def test_the_linear_setting_chooses_the_hooks(monkeypatch, value, layer_hook, head_hook):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     from policies import cpu_linear
 
@@ -220,6 +222,6 @@ def test_the_linear_setting_chooses_the_heads_hook(monkeypatch, value, head_hook
         hooks = {target: [function for _, function, _ in entries] for target, entries in HookRegistry._hooks.items()}
     finally:
         HookRegistry.reset()
-    assert hooks == {cpu_linear.LINEAR_TARGET: [cpu_linear.linear_hook],
+    assert hooks == {cpu_linear.LINEAR_TARGET: [getattr(cpu_linear, layer_hook)],
                      cpu_linear.LM_HEAD_TARGET: [getattr(cpu_linear, head_hook)],
                      cpu_linear.NORMALIZER_TARGET: [cpu_linear.normalizer_hook]}

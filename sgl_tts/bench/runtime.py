@@ -294,11 +294,12 @@ def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple
 
 def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Sequence[int] = (1, 8, 16, 64),
               repeats: int = 3, arms: Sequence[RuntimeArm] | None = None, threads: int | None = None,
-              max_total_tokens: int = 16384, temperature: float = 0.0) -> int:
+              max_total_tokens: int = 16384, temperature: float = 0.0, hf_dtype: str = "float32") -> int:
     """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), then measure each
     arm, HF generate and the bare torch forward loop at each parallel request count, `repeats` interleaved
     rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, time to
-    first token, the decode step's split from the scheduler's own step trace) and the fork cache check."""
+    first token, the decode step's split from the scheduler's own step trace) and the fork cache check. HF and
+    the torch loop run the model in `hf_dtype` (float32, or bfloat16 to hold bf16 arms against a bf16 model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -336,7 +337,7 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
         first = runtimes[arms[0].name]
         tokenizer = AutoTokenizer.from_pretrained(first.model_path)
         prompts = _prompts(tokenizer, max(parallel))
-        hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=getattr(torch, hf_dtype))
         hf_model.eval()
         parameters = sum(parameter.numel() for parameter in hf_model.parameters())
         print(machine_line(measure_machine(), parameters, parallel), flush=True)
@@ -364,7 +365,8 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
     for arm in arms:
         print(f"  {arm.name}: {arm.describe()}")
     decoding = f"sampled at temperature {temperature}" if temperature > 0 else "greedy"
-    print(f"  {HF_ARM}: transformers generate, {decoding}, in this process; {TORCH_ARM}: the model's forward in a loop "
+    print(f"  {HF_ARM}: transformers generate, {hf_dtype}, {decoding}, in this process; {TORCH_ARM}: the model's "
+          f"{hf_dtype} forward in a loop "
           f"with its KV cache and an argmax (decode tokens only); decode step: the median scheduler step at that "
           f"batch, the model's forward / sampling and output / the scheduler loop around them")
     print(f"fork of 16 on {arms[0].name}: {cache_fraction:.0%} of the branches' prompt tokens served from the "

@@ -81,6 +81,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy; above 0: SGLang and HF sample the whole vocabulary at this temperature "
                              "(the CPU default searches at 0.3)")
+    parser.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the dtype of the HF generate and torch loop references")
     parser.set_defaults(func=bench_runtime)
 
     parser = bench_commands.add_parser("fasttts", help="FastTTS by the paper's protocol: one search at a time, "
@@ -238,7 +240,8 @@ def bench_runtime(args: argparse.Namespace) -> int:
 
     return run_bench(model=args.model, new_tokens=args.new_tokens,
                      parallel=[int(p) for p in args.parallel.split(",")], repeats=args.repeats, arms=args.arm,
-                     threads=args.threads, max_total_tokens=args.max_total_tokens, temperature=args.temperature)
+                     threads=args.threads, max_total_tokens=args.max_total_tokens, temperature=args.temperature,
+                     hf_dtype=args.hf_dtype)
 
 
 def bench_fasttts(args: argparse.Namespace) -> int:
