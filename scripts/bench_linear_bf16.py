@@ -1,6 +1,6 @@
 """One decode step's linear layers of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down, then the LM head; random
-weights of the model's shapes) through oneDNN on packed weights, fp32 against bf16 weights (the activations cast to
-bf16 per call and the output back to fp32), with SGLang's plain `F.linear` in fp32 beside them. The arms run
+weights of the model's shapes) through oneDNN on packed weights, fp32 against bf16 weights (`bf16_packed_linear`, the
+runtime's packed-bf16 product), with SGLang's plain `F.linear` in fp32 beside them. The arms run
 interleaved; prints the median [min-max] ms per step at each row count, the bf16 head's relative error, the CPU
 (`cpu_summary`: bf16 is worth it only where it names amx_bf16) and the load.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from policies.cpu_linear import packed_linear
+from policies.cpu_linear import bf16_packed_linear, packed_linear
 from sgl_tts.runtime.hardware import cpu_summary
 
 HIDDEN, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -36,7 +36,7 @@ def main() -> None:
     arms = {
         "fp32 F.linear": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
         "fp32 packed": lambda xs: [packed_linear(x, w) for x, w in zip(xs, packed_fp32)],
-        "bf16 packed": lambda xs: [packed_linear(x.bfloat16(), w).float() for x, w in zip(xs, packed_bf16)],
+        "bf16 packed": lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)],
     }
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     for rows in (1, 8, 16, 64, 256):
