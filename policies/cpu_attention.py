@@ -72,10 +72,15 @@ def batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indic
 
 @functools.lru_cache(maxsize=None)
 def paged_kernel() -> Any:
-    """The compiled kernel of KERNEL_SOURCE for this CPU, or None when it cannot be built (logged once). Built on
-    first use into the cache under a name that carries the CPU's SIMD level and the source's hash (a cache shared
-    by machines with different CPUs, or by checkouts of different sources, keeps a build for each), then loaded
-    from there."""
+    """The compiled kernel of KERNEL_SOURCE for this CPU, or None when it cannot be built (logged once)."""
+    return build_kernel(KERNEL_SOURCE.read_bytes())
+
+
+def build_kernel(text: bytes) -> Any:
+    """The kernel compiled from the C++ source `text` (KERNEL_SOURCE's, or another version of it to measure
+    against: scripts/bench_attention.py), or None when it cannot be built. Built into the cache under a name that
+    carries the CPU's SIMD level and the source's hash (a cache shared by machines with different CPUs, or by
+    checkouts of different sources, keeps a build for each), then loaded from there."""
     import torch
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns of no CUDA
@@ -85,7 +90,6 @@ def paged_kernel() -> Any:
     from sgl_tts.paths import write_atomic
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    text = KERNEL_SOURCE.read_bytes()
     name = f"sgltts_paged_attention_{level.lower()}_{hashlib.sha256(text).hexdigest()[:10]}"
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
     build = Path(cache_root()) / "kernels" / name

@@ -14,7 +14,8 @@
 // padding to the longest sequence, no GQA expansion, and at extend no square over the cached prefix (SGLang's
 // torch-native extend attends from every position of the sequence, the prefix's included, then keeps the new
 // rows). Work items are (query row, h_kv), sequence-major, so the forks of one prompt, adjacent in the batch,
-// find their shared prefix's rows in cache.
+// find their shared prefix's rows in cache. Where G <= 8 and head_dim is 64 or 128 (SmolLM2's and Qwen2.5's), an
+// item runs in vector registers (`attend_group_fixed`); any other shape runs the plain loops (`attend_group`).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,6 +36,155 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The G heads of one KV head for one query row, any head_dim: scores [G * attended] is scratch.
+void attend_group(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const float* k_head,
+                  const float* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
+                  int64_t group, int64_t head_dim, float scale, float* scores, float* acc) {
+  for (int64_t t = 0; t < attended; ++t) {  // pass 1
+    const float* k = k_head + slots[t] * k_s;
+    for (int64_t g = 0; g < group; ++g) scores[g * attended + t] = scale * dot(q_group + g * q_h, k, head_dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {  // pass 2
+    float* s = scores + g * attended;
+    const float top = *std::max_element(s, s + attended);
+    float sum = 0.f;
+    for (int64_t t = 0; t < attended; ++t) sum += (s[t] = std::exp(s[t] - top));
+    const float inverse = 1.f / sum;
+    for (int64_t t = 0; t < attended; ++t) s[t] *= inverse;
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t = 0; t < attended; ++t) {  // pass 3
+    const float* v = v_head + slots[t] * v_s;
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * attended + t], v, acc + g * head_dim, head_dim);
+  }
+  for (int64_t g = 0; g < group; ++g) std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, out_group + g * o_h);
+}
+
+// The same in registers, for G and head_dim D known at compile time. A row of D floats is D / W vector registers
+// (W floats each: 16 with AVX-512, 8 with AVX2); the G query rows and the G output accumulators stay in registers
+// while the key and value rows stream past once. Pass 1's G dot products per key end in one halving sum each, and
+// pass 2's exponentials run W at a time (`exp_lanes`).
+#ifdef __AVX512F__
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float floats __attribute__((vector_size(4 * W), aligned(4)));  // aligned(4): loads from any float
+typedef int32_t ints __attribute__((vector_size(4 * W)));
+typedef float floats8 __attribute__((vector_size(32)));
+typedef float floats4 __attribute__((vector_size(16)));
+
+inline floats load(const float* p) { return *reinterpret_cast<const floats*>(p); }
+
+inline float lane_sum(floats x) {  // halve to 8 lanes (AVX-512), then to 4, then add the four
+#ifdef __AVX512F__
+  const floats8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const floats8 h = x;
+#endif
+  const floats4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+// e^x for x <= 0 in every lane, Cephes' expf: x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 in two
+// parts, so r is exact), e^r = 1 + r + r^2 p(r) with p of degree 5, and 2^n written into the exponent bits.
+// Relative error about 2e-7. Below -87, e^-87 (1.6e-38) instead of a denormal or 0: against a softmax's top term
+// of 1 that is nothing.
+inline floats exp_lanes(floats x) {
+  const floats lowest = x - x - 87.f;
+  x = x < lowest ? lowest : x;
+  const floats n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, ints), floats);
+  const floats r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  floats p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
+  floats two_to_n;
+  __builtin_memcpy(&two_to_n, &bits, sizeof two_to_n);
+  return p * two_to_n;
+}
+
+template <int G, int D>
+void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const float* k_head,
+                        const float* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
+                        int64_t, int64_t, float scale, float* scores, float*) {
+  constexpr int P = D / W;  // registers per head row
+  floats q[G][P];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < P; ++j) q[g][j] = load(q_group + g * q_h + W * j);
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  for (int64_t t = 0; t < attended; ++t) {  // pass 1: s_t = scale q . k_t, and the running max
+    const float* k = k_head + slots[t] * k_s;
+    floats key[P];
+    for (int j = 0; j < P; ++j) key[j] = load(k + W * j);
+    for (int g = 0; g < G; ++g) {
+      floats product = q[g][0] * key[0];
+      for (int j = 1; j < P; ++j) product += q[g][j] * key[j];
+      const float score = scale * lane_sum(product);
+      scores[g * attended + t] = score;
+      top[g] = std::max(top[g], score);
+    }
+  }
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {  // pass 2: e^(s_t - max), unnormalized; 1 / their sum
+    float* s = scores + g * attended;
+    floats sums = {};
+    int64_t t = 0;
+    for (; t + W <= attended; t += W) {
+      const floats e = exp_lanes(load(s + t) - top[g]);
+      __builtin_memcpy(s + t, &e, sizeof e);
+      sums += e;
+    }
+    float sum = lane_sum(sums);
+    for (; t < attended; ++t) sum += (s[t] = std::exp(s[t] - top[g]));
+    inverse[g] = 1.f / sum;
+  }
+  floats acc[G][P] = {};
+  for (int64_t t = 0; t < attended; ++t) {  // pass 3: sum_t e_t v_t, then scaled by 1 / sum
+    const float* v = v_head + slots[t] * v_s;
+    floats value[P];
+    for (int j = 0; j < P; ++j) value[j] = load(v + W * j);
+    for (int g = 0; g < G; ++g) {
+      const float e = scores[g * attended + t];
+      for (int j = 0; j < P; ++j) acc[g][j] += e * value[j];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < P; ++j) {
+      const floats o = acc[g][j] * inverse[g];
+      __builtin_memcpy(out_group + g * o_h + W * j, &o, sizeof o);
+    }
+}
+
+using GroupKernel = decltype(&attend_group);
+
+template <int D>
+GroupKernel fixed_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_group_fixed<1, D>;
+    case 2: return attend_group_fixed<2, D>;
+    case 3: return attend_group_fixed<3, D>;
+    case 4: return attend_group_fixed<4, D>;
+    case 5: return attend_group_fixed<5, D>;
+    case 6: return attend_group_fixed<6, D>;
+    case 7: return attend_group_fixed<7, D>;
+    case 8: return attend_group_fixed<8, D>;
+    default: return attend_group;
+  }
+}
+
+// The register version where one is compiled for (group, head_dim), else the generic one.
+GroupKernel kernel_for(int64_t group, int64_t head_dim) {
+  if (head_dim == 64) return fixed_for_group<64>(group);
+  if (head_dim == 128) return fixed_for_group<128>(group);
+  return attend_group;
 }
 
 }  // namespace
@@ -85,32 +235,15 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
   const int64_t table_row = req_to_token.stride(0);
   const float fscale = static_cast<float>(scale);
 
+  const GroupKernel attend = kernel_for(group, head_dim);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, kv = item % kv_heads, attended = position_of[r] + 1;
-      const int32_t* slots = table + pool_of[sequence_of[r]] * table_row;
-      const float* q_group = q + r * q_r + kv * group * q_h;
       scores.resize(group * attended);
-      for (int64_t t = 0; t < attended; ++t) {  // pass 1
-        const float* k = keys + slots[t] * k_s + kv * k_h;
-        for (int64_t g = 0; g < group; ++g) scores[g * attended + t] = fscale * dot(q_group + g * q_h, k, head_dim);
-      }
-      for (int64_t g = 0; g < group; ++g) {  // pass 2
-        float* s = scores.data() + g * attended;
-        const float top = *std::max_element(s, s + attended);
-        float sum = 0.f;
-        for (int64_t t = 0; t < attended; ++t) sum += (s[t] = std::exp(s[t] - top));
-        const float inverse = 1.f / sum;
-        for (int64_t t = 0; t < attended; ++t) s[t] *= inverse;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < attended; ++t) {  // pass 3
-        const float* v = values + slots[t] * v_s + kv * v_h;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * attended + t], v, acc.data() + g * head_dim, head_dim);
-      }
-      for (int64_t g = 0; g < group; ++g)
-        std::copy(acc.begin() + g * head_dim, acc.begin() + (g + 1) * head_dim, out + r * o_r + (kv * group + g) * o_h);
+      attend(q + r * q_r + kv * group * q_h, q_h, out + r * o_r + kv * group * o_h, o_h, keys + kv * k_h,
+             values + kv * v_h, k_s, v_s, table + pool_of[sequence_of[r]] * table_row, attended, group, head_dim,
+             fscale, scores.data(), acc.data());
     }
   });
 }

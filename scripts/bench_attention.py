@@ -4,10 +4,12 @@ compiled kernel (`paged_decode`), side by side (policies/cpu_attention.py).
 SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, fp32), one thread. Each sequence's context is a
 prefix it shares with every other sequence (forks of one prompt) followed by its own tokens, on contiguous slots
 (`--placement random` scatters the own tokens over the pool; `shared` puts every sequence on the same slots, all
-in cache). Each round times 10 calls of each arm, the order alternating; prints the median [min-max] per call
-over the rounds and the ratio of the medians, with the CPU model and the load.
+in cache). `--against FILE` adds a third arm: the kernel built from another version of policies/paged_attention.cpp
+(e.g. `git show HEAD~1:policies/paged_attention.cpp > /tmp/before.cpp`). Each round times 10 calls of each arm,
+the order rotating; prints the median [min-max] per call over the rounds and the ratios of the medians to the
+paged kernel's, with the CPU model and the load.
 
-    .venv/bin/python scripts/bench_attention.py [--sizes 16x300,64x200,128x300] [--rounds 5]
+    .venv/bin/python scripts/bench_attention.py [--sizes 16x300,64x200,128x300] [--rounds 5] [--against FILE]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from policies.cpu_attention import batched_decode, paged_decode, paged_kernel
+from policies.cpu_attention import batched_decode, build_kernel, paged_decode, paged_kernel
 from sgl_tts.runtime.hardware import cpu_summary
 
 HEADS, KV_HEADS, HEAD_DIM, POOL = 9, 3, 64, 65536
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="16x300,64x200,128x300", help="SEQUENCESxCONTEXT, comma-separated")
     parser.add_argument("--placement", choices=["contiguous", "random", "shared"], default="contiguous")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", help="another version of policies/paged_attention.cpp, built as a third arm")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if paged_kernel() is None:
@@ -56,23 +59,38 @@ def main() -> None:
     print(f"{cpu_summary()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; one thread; "
           f"placement {args.placement}", flush=True)
     arms = {"batched SDPA": batched_decode, "paged kernel": paged_decode}
+    if args.against:
+        other = build_kernel(open(args.against, "rb").read())
+        if other is None:
+            raise SystemExit(f"{args.against} could not be built (the log above says why)")
+
+        def against(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling, enable_gqa):
+            other.paged_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                  torch.ones_like(seq_lens), scaling)
+            return output
+
+        arms[f"kernel of {os.path.basename(args.against)}"] = against
     for size in args.sizes.split(","):
         sequences, context = (int(x) for x in size.split("x"))
         query, *pool = batch(sequences, context, args.placement)
         outputs = {name: torch.empty_like(query) for name in arms}
         for name, decode in arms.items():
             decode(query, outputs[name], *pool, scaling=HEAD_DIM ** -0.5, enable_gqa=True)
-        torch.testing.assert_close(outputs["paged kernel"], outputs["batched SDPA"], rtol=1e-5, atol=1e-5)
+        for name in arms:
+            torch.testing.assert_close(outputs[name], outputs["batched SDPA"], rtol=1e-5, atol=1e-5)
         times: dict[str, list[float]] = {name: [] for name in arms}
         for round_ in range(args.rounds):
-            for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+            names = list(arms)
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 began = time.perf_counter()
                 for _ in range(10):
                     arms[name](query, outputs[name], *pool, scaling=HEAD_DIM ** -0.5, enable_gqa=True)
                 times[name].append((time.perf_counter() - began) / 10 * 1000)
         medians = {name: statistics.median(t) for name, t in times.items()}
         row = ", ".join(f"{name} {medians[name]:.2f} ms [{min(t):.2f}-{max(t):.2f}]" for name, t in times.items())
-        print(f"{size}: {row}; {medians['batched SDPA'] / medians['paged kernel']:.2f}x", flush=True)
+        ratios = ", ".join(f"{name} / paged {medians[name] / medians['paged kernel']:.2f}x"
+                           for name in arms if name != "paged kernel")
+        print(f"{size}: {row}; {ratios}", flush=True)
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

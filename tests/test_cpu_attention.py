@@ -87,15 +87,19 @@ def test_the_kernel_builds_from_its_own_copy_of_the_source(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 32])
-@pytest.mark.parametrize("kv_heads", [3, 9])
-def test_paged_decode_matches_sglangs_loop(batch, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 16), (9, 9, 16), (9, 3, 64), (9, 9, 64), (8, 1, 64),
+                                                (14, 2, 64), (12, 2, 128), (10, 1, 64)])
+def test_paged_decode_matches_sglangs_loop(batch, heads, kv_heads, dim):
     """The compiled kernel against SGLang's loop, on a query that is a strided view (as SGLang's q is: a slice of
-    the fused qkv projection) and a cache whose pool rows are shared by several sequences (forks)."""
-    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, kv_heads=kv_heads, seed=batch)
+    the fused qkv projection) and a cache whose pool rows are shared by several sequences (forks). Head dimensions
+    64 and 128 with up to 8 query heads per KV head take the kernel's register path, the others its plain loops;
+    the lengths (1-63) cover its vector exponentials and their scalar tail."""
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, heads=heads, kv_heads=kv_heads,
+                                                                        dim=dim, seed=batch)
     req_to_token[:, :10] = req_to_token[0, :10]  # a prefix every sequence shares
     fused = torch.cat([query, torch.randn_like(query)], dim=2)  # [batch, heads, 2 * dim]
     query = fused[:, :, : query.shape[2]]
-    gqa = kv_heads != 9
+    gqa = kv_heads != heads
     expected = LOOP(None, query.contiguous(), torch.empty_like(query), k_cache, v_cache, req_to_token, pool,
                     seq_lens, scaling=0.25, enable_gqa=gqa)
     output = torch.full_like(expected, float("nan"))
@@ -104,11 +108,12 @@ def test_paged_decode_matches_sglangs_loop(batch, kv_heads):
 
 
 @pytest.mark.parametrize("extends", [[1, 1, 1], [5, 1, 12], [30, 2, 7, 1]])
-def test_paged_extend_matches_sglangs_loop(extends):
+@pytest.mark.parametrize("dim", [16, 64])
+def test_paged_extend_matches_sglangs_loop(extends, dim):
     """Extend after a cached prefix (the prefix lengths differ, one sequence has none): the kernel's rows against
     SGLang's loop, which attends from the whole sequence and keeps the new rows."""
     batch = len(extends)
-    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, seed=sum(extends))
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, dim=dim, seed=sum(extends))
     extend_seq_lens = torch.tensor(extends)
     prefix_lens = torch.randint(0, 40, (batch,), generator=torch.Generator().manual_seed(batch))
     prefix_lens[-1] = 0
