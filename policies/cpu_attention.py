@@ -109,13 +109,16 @@ def build_kernel(text: bytes) -> Any:
         return None
 
 
-def kernel_takes(*tensors: Any, req_to_token: Any) -> bool:
-    """Whether the kernel is built and takes these tensors: fp32 on the CPU, head dimension contiguous, an int32
-    token table."""
+def kernel_takes(query: Any, output: Any, k_cache: Any, v_cache: Any, req_to_token: Any) -> bool:
+    """Whether the kernel is built and takes these tensors: on the CPU, fp32 queries and output, keys and values
+    both fp32 or both bf16 (`--kv-cache-dtype bf16`), head dimension contiguous, an int32 token table."""
     import torch
 
+    tensors = (query, output, k_cache, v_cache)
     return (paged_kernel() is not None and req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors))
+            and query.dtype == output.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors))
 
 
 def paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling=None,

@@ -14,8 +14,10 @@
 // padding to the longest sequence, no GQA expansion, and at extend no square over the cached prefix (SGLang's
 // torch-native extend attends from every position of the sequence, the prefix's included, then keeps the new
 // rows). Work items are (query row, h_kv), sequence-major, so the forks of one prompt, adjacent in the batch,
-// find their shared prefix's rows in cache. Where G <= 8 and head_dim is 64 or 128 (SmolLM2's and Qwen2.5's), an
-// item runs in vector registers (`attend_group_fixed`); any other shape runs the plain loops (`attend_group`).
+// find their shared prefix's rows in cache. The pool holds fp32 or bf16 (`--kv-cache-dtype bf16`: half the
+// bytes to read per key and value row, each widened to fp32 as it is loaded); the arithmetic is fp32. Where
+// G <= 8 and head_dim is 64 or 128 (SmolLM2's and Qwen2.5's), an item runs in vector registers
+// (`attend_group_fixed`); any other shape runs the plain loops (`attend_group`).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,24 +28,37 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// A key or value element as the pool stores it: float, or bf16 (the upper 16 bits of a float, kept as uint16_t).
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * to_float(b[i]);
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <typename T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * to_float(x[i]);
 }
 
-// The G heads of one KV head for one query row, any head_dim: scores [G * attended] is scratch.
-void attend_group(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const float* k_head,
-                  const float* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
+// The G heads of one KV head for one query row, any head_dim: scores [G * attended] is scratch. T is the pool's
+// element type.
+template <typename T>
+void attend_group(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const T* k_head,
+                  const T* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
                   int64_t group, int64_t head_dim, float scale, float* scores, float* acc) {
   for (int64_t t = 0; t < attended; ++t) {  // pass 1
-    const float* k = k_head + slots[t] * k_s;
+    const T* k = k_head + slots[t] * k_s;
     for (int64_t g = 0; g < group; ++g) scores[g * attended + t] = scale * dot(q_group + g * q_h, k, head_dim);
   }
   for (int64_t g = 0; g < group; ++g) {  // pass 2
@@ -56,7 +71,7 @@ void attend_group(const float* q_group, int64_t q_h, float* out_group, int64_t o
   }
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t t = 0; t < attended; ++t) {  // pass 3
-    const float* v = v_head + slots[t] * v_s;
+    const T* v = v_head + slots[t] * v_s;
     for (int64_t g = 0; g < group; ++g) axpy(scores[g * attended + t], v, acc + g * head_dim, head_dim);
   }
   for (int64_t g = 0; g < group; ++g) std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, out_group + g * o_h);
@@ -76,7 +91,15 @@ typedef int32_t ints __attribute__((vector_size(4 * W)));
 typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats4 __attribute__((vector_size(16)));
 
+typedef uint16_t shorts __attribute__((vector_size(2 * W), aligned(2)));
+
 inline floats load(const float* p) { return *reinterpret_cast<const floats*>(p); }
+inline floats load(const uint16_t* p) {  // W bf16 values widened to floats: each one's bits moved up 16
+  const ints bits = __builtin_convertvector(*reinterpret_cast<const shorts*>(p), ints) << 16;
+  floats f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 inline float lane_sum(floats x) {  // halve to 8 lanes (AVX-512), then to 4, then add the four
 #ifdef __AVX512F__
@@ -110,9 +133,9 @@ inline floats exp_lanes(floats x) {
   return p * two_to_n;
 }
 
-template <int G, int D>
-void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const float* k_head,
-                        const float* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
+template <typename T, int G, int D>
+void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int64_t o_h, const T* k_head,
+                        const T* v_head, int64_t k_s, int64_t v_s, const int32_t* slots, int64_t attended,
                         int64_t, int64_t, float scale, float* scores, float*) {
   constexpr int P = D / W;  // registers per head row
   floats q[G][P];
@@ -121,7 +144,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
   for (int64_t t = 0; t < attended; ++t) {  // pass 1: s_t = scale q . k_t, and the running max
-    const float* k = k_head + slots[t] * k_s;
+    const T* k = k_head + slots[t] * k_s;
     floats key[P];
     for (int j = 0; j < P; ++j) key[j] = load(k + W * j);
     for (int g = 0; g < G; ++g) {
@@ -148,7 +171,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   }
   floats acc[G][P] = {};
   for (int64_t t = 0; t < attended; ++t) {  // pass 3: sum_t e_t v_t, then scaled by 1 / sum
-    const float* v = v_head + slots[t] * v_s;
+    const T* v = v_head + slots[t] * v_s;
     floats value[P];
     for (int j = 0; j < P; ++j) value[j] = load(v + W * j);
     for (int g = 0; g < G; ++g) {
@@ -163,28 +186,50 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
     }
 }
 
-using GroupKernel = decltype(&attend_group);
+template <typename T>
+using GroupKernel = decltype(&attend_group<T>);
 
-template <int D>
-GroupKernel fixed_for_group(int64_t group) {
+template <typename T, int D>
+GroupKernel<T> fixed_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend_group_fixed<1, D>;
-    case 2: return attend_group_fixed<2, D>;
-    case 3: return attend_group_fixed<3, D>;
-    case 4: return attend_group_fixed<4, D>;
-    case 5: return attend_group_fixed<5, D>;
-    case 6: return attend_group_fixed<6, D>;
-    case 7: return attend_group_fixed<7, D>;
-    case 8: return attend_group_fixed<8, D>;
-    default: return attend_group;
+    case 1: return attend_group_fixed<T, 1, D>;
+    case 2: return attend_group_fixed<T, 2, D>;
+    case 3: return attend_group_fixed<T, 3, D>;
+    case 4: return attend_group_fixed<T, 4, D>;
+    case 5: return attend_group_fixed<T, 5, D>;
+    case 6: return attend_group_fixed<T, 6, D>;
+    case 7: return attend_group_fixed<T, 7, D>;
+    case 8: return attend_group_fixed<T, 8, D>;
+    default: return attend_group<T>;
   }
 }
 
 // The register version where one is compiled for (group, head_dim), else the generic one.
-GroupKernel kernel_for(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return fixed_for_group<64>(group);
-  if (head_dim == 128) return fixed_for_group<128>(group);
-  return attend_group;
+template <typename T>
+GroupKernel<T> kernel_for(int64_t group, int64_t head_dim) {
+  if (head_dim == 64) return fixed_for_group<T, 64>(group);
+  if (head_dim == 128) return fixed_for_group<T, 128>(group);
+  return attend_group<T>;
+}
+
+// Every (query row, KV head) item of the batch, over threads.
+template <typename T>
+void attend_items(const float* q, float* out, const T* keys, const T* values, const int32_t* table,
+                  const int64_t* pool_of, const std::vector<int64_t>& sequence_of,
+                  const std::vector<int64_t>& position_of, int64_t rows, int64_t kv_heads, int64_t group,
+                  int64_t head_dim, int64_t q_r, int64_t q_h, int64_t o_r, int64_t o_h, int64_t k_s, int64_t k_h,
+                  int64_t v_s, int64_t v_h, int64_t table_row, float scale) {
+  const GroupKernel<T> attend = kernel_for<T>(group, head_dim);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, kv = item % kv_heads, attended = position_of[r] + 1;
+      scores.resize(group * attended);
+      attend(q + r * q_r + kv * group * q_h, q_h, out + r * o_r + kv * group * o_h, o_h, keys + kv * k_h,
+             values + kv * v_h, k_s, v_s, table + pool_of[sequence_of[r]] * table_row, attended, group, head_dim,
+             scale, scores.data(), acc.data());
+    }
+  });
 }
 
 }  // namespace
@@ -195,9 +240,11 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
                      const torch::Tensor& extend_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output: [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches: [slots, kv_heads, head_dim]");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && output.scalar_type() == torch::kFloat &&
-                  k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
-              "float32 only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && output.scalar_type() == torch::kFloat,
+              "query and output: float32");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == torch::kFloat || k_cache.scalar_type() == torch::kBFloat16),
+              "caches: both float32 or both bfloat16");
   TORCH_CHECK(query.stride(2) == 1 && output.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "head_dim must be contiguous");
   TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -227,28 +274,24 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
 
   const float* q = query.data_ptr<float>();
   float* out = output.data_ptr<float>();
-  const float* keys = k_cache.data_ptr<float>();
-  const float* values = v_cache.data_ptr<float>();
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t q_r = query.stride(0), q_h = query.stride(1), o_r = output.stride(0), o_h = output.stride(1);
   const int64_t k_s = k_cache.stride(0), k_h = k_cache.stride(1), v_s = v_cache.stride(0), v_h = v_cache.stride(1);
   const int64_t table_row = req_to_token.stride(0);
   const float fscale = static_cast<float>(scale);
-
-  const GroupKernel attend = kernel_for(group, head_dim);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kv = item % kv_heads, attended = position_of[r] + 1;
-      scores.resize(group * attended);
-      attend(q + r * q_r + kv * group * q_h, q_h, out + r * o_r + kv * group * o_h, o_h, keys + kv * k_h,
-             values + kv * v_h, k_s, v_s, table + pool_of[sequence_of[r]] * table_row, attended, group, head_dim,
-             fscale, scores.data(), acc.data());
-    }
-  });
+  if (k_cache.scalar_type() == torch::kFloat) {
+    attend_items(q, out, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, pool_of, sequence_of,
+                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
+                 fscale);
+  } else {
+    attend_items(q, out, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, pool_of, sequence_of,
+                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
+                 fscale);
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention of the last extend_lens tokens of each sequence, read "
-        "from the paged KV pool (float32)");
+        "from the paged KV pool (float32 queries; float32 or bfloat16 keys and values)");
 }

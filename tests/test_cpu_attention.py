@@ -107,6 +107,31 @@ def test_paged_decode_matches_sglangs_loop(batch, heads, kv_heads, dim):
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_a_compiler
+@pytest.mark.parametrize("dim", [16, 64])
+def test_the_kernel_reads_a_bf16_pool_as_those_values_in_fp32(dim):
+    """With `--kv-cache-dtype bf16` the pool holds bf16 keys and values: decode and extend read them widened to fp32,
+    so they equal SGLang's loop over the same bf16 values held in fp32, on either of the kernel's paths."""
+    query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(7, dim=dim, seed=dim)
+    k_bf16, v_bf16 = k_cache.bfloat16(), v_cache.bfloat16()
+    assert not torch.equal(k_bf16.float(), k_cache)  # the rounding is real: the test would see fp32 values read
+    expected = LOOP(None, query, torch.empty_like(query), k_bf16.float(), v_bf16.float(), req_to_token, pool,
+                    seq_lens, scaling=0.25, enable_gqa=True)
+    output = torch.full_like(query, float("nan"))
+    paged_decode(query, output, k_bf16, v_bf16, req_to_token, pool, seq_lens, scaling=0.25, enable_gqa=True)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+    extend_seq_lens = torch.minimum(seq_lens, torch.tensor(5))
+    prefix_lens = seq_lens - extend_seq_lens
+    rows = torch.randn(int(extend_seq_lens.sum()), 9, dim)
+    expected = EXTEND_LOOP(None, rows, torch.empty_like(rows), k_bf16.float(), v_bf16.float(), req_to_token, pool,
+                           seq_lens, prefix_lens, extend_seq_lens, scaling=0.25, enable_gqa=True, causal=True)
+    output = torch.full_like(rows, float("nan"))
+    extend_hook(EXTEND_LOOP, None, rows, output, k_bf16, v_bf16, req_to_token, pool, seq_lens, prefix_lens,
+                extend_seq_lens, scaling=0.25, enable_gqa=True, causal=True)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("extends", [[1, 1, 1], [5, 1, 12], [30, 2, 7, 1]])
 @pytest.mark.parametrize("dim", [16, 64])
 def test_paged_extend_matches_sglangs_loop(extends, dim):
