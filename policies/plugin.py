@@ -1,7 +1,8 @@
 """SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
 batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
 policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the inverse-CDF sampling of policies/cpu_sampling.py
-($SGLTTS_CPU_SAMPLING=cdf), the search placement over data-parallel ranks of policies/search_placement.py
+($SGLTTS_CPU_SAMPLING=cdf), denormals flushed to zero in the scheduler's thread ($SGLTTS_CPU_DENORMALS=flush),
+the search placement over data-parallel ranks of policies/search_placement.py
 ($SGLTTS_DP_PLACEMENT=search), the probe margins of policies/probe_readout.py ($SGLTTS_PROBE_HEAD=<head file>)
 and the step timing of
 policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
@@ -112,6 +113,9 @@ def register() -> None:
                              (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND")],
                             f"inverse-CDF sampling installed on {cpu_sampling.TARGET} and, per row, on "
                             f"{cpu_sampling.FILTERED_TARGET}"))
+    if (env_names.read(env_names.CPU_DENORMALS) or "").strip() == cpu_sampling.FLUSH:
+        # this thread runs the scheduler's forward and sampling; FTZ/DAZ are per thread
+        announce(f"denormals {'' if cpu_sampling.flush_denormals() else 'not '}flushed to zero in this thread")
     if placement == search_placement.SEARCH:
         switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
                             f"search placement installed on {search_placement.TARGET}"))

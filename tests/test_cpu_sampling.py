@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from policies.cpu_sampling import inverse_cdf, sample, sampling_hook, split_hook  # noqa: E402
+from policies.cpu_sampling import flush_denormals, inverse_cdf, sample, sampling_hook, split_hook  # noqa: E402
 
 
 def brute_force_token(row: list[float], u: float) -> int:
@@ -124,3 +124,35 @@ def test_seeded_or_filtered_output_goes_to_sglang_whole():
     assert split_hook(original, probs, top_ks, ps, ps * 0, False, torch.tensor([1, 2]), torch.arange(2)) == "sglang"
     assert split_hook(original, probs, top_ks, ps, ps * 0, False, None, None, return_filtered_probs=True) == "sglang"
     assert [c["return_filtered_probs"] for c in calls] == [False, True]
+
+
+def test_denormals_are_flushed_to_zero_in_the_thread_that_asks_only():
+    """FTZ/DAZ are per thread: the plugin flushes in the scheduler's thread, where the softmax runs."""
+    import threading
+
+    results = {}
+
+    def product(flush: bool) -> None:
+        if flush:
+            assert flush_denormals()
+        results[flush] = (torch.tensor([1e-20]) * torch.tensor([1e-20])).item()  # 1e-40: below fp32's 1.2e-38
+
+    for flush in (True, False):
+        worker = threading.Thread(target=product, args=(flush,))
+        worker.start()
+        worker.join()
+    assert results[True] == 0.0
+    assert 0.0 < results[False] < 1.2e-38
+
+
+def test_cpu_runtimes_flush_denormals_unless_told_to_keep_them(monkeypatch):
+    from sgl_tts import env_names
+    from sgl_tts.runtime import server
+
+    monkeypatch.delenv(env_names.CPU_DENORMALS, raising=False)
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_DENORMALS] == "flush"
+    assert server.server_env(server.RuntimeConfig(env={env_names.CPU_DENORMALS: "keep"}))[
+        env_names.CPU_DENORMALS] == "keep"
+    assert env_names.CPU_DENORMALS not in server.server_env(server.RuntimeConfig(device="cuda"))
+    monkeypatch.setenv(env_names.CPU_DENORMALS, "keep")  # the caller's environment wins too
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_DENORMALS] == "keep"

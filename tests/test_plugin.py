@@ -194,7 +194,7 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     HookRegistry = registry_module.HookRegistry
     for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
-                 env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
+                 env_names.CPU_DENORMALS, env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
         monkeypatch.delenv(name, raising=False)
     HookRegistry.reset()
     try:
@@ -202,6 +202,29 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
         assert dict(HookRegistry._hooks) == {}
     finally:
         HookRegistry.reset()
+
+
+@pytest.mark.parametrize("setting, flushed", [("flush", True), ("keep", False)])
+def test_the_denormals_setting_flushes_them_in_the_registering_thread(monkeypatch, setting, flushed):
+    """SGLang's scheduler registers the plugin in the thread that runs its forward and sampling; FTZ/DAZ are per
+    thread, so the flush has to happen there (policies/cpu_sampling.py)."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
+                 env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env_names.CPU_DENORMALS, setting)
+    products = []
+
+    def scheduler_thread() -> None:
+        plugin.register()
+        products.append((torch.tensor([1e-20]) * torch.tensor([1e-20])).item())  # 1e-40: denormal in fp32
+
+    thread = threading.Thread(target=scheduler_thread)
+    thread.start()
+    thread.join()
+    assert (products[0] == 0.0) is flushed and products[0] < 1.2e-38
 
 
 @pytest.mark.parametrize("value, layer_hook, head_hook", [("packed", "linear_hook", "lm_head_hook"),
@@ -212,8 +235,8 @@ def test_the_linear_setting_chooses_the_hooks(monkeypatch, value, layer_hook, he
     from policies import cpu_linear
 
     HookRegistry = registry_module.HookRegistry
-    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_SAMPLING, env_names.DP_PLACEMENT,
-                 env_names.STEP_TRACE, env_names.PROBE_HEAD):
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_SAMPLING, env_names.CPU_DENORMALS,
+                 env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(env_names.CPU_LINEAR, value)
     HookRegistry.reset()

@@ -209,6 +209,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # Temperature sampling by the inverse CDF instead of torch.multinomial (policies/cpu_sampling.py): 152 -> 8 ms
         # for 128 rows on one core; `env: {SGLTTS_CPU_SAMPLING: sglang}` keeps SGLang's.
         env[env_names.CPU_SAMPLING] = cpu_sampling.CDF
+        # Denormal floats flushed to zero in the scheduler: the softmax of a row at temperature 0.3 has a denormal
+        # tail that x86 computes some 20x slower (policies/cpu_sampling.py); `env: {SGLTTS_CPU_DENORMALS: keep}`.
+        env.setdefault(env_names.CPU_DENORMALS, cpu_sampling.FLUSH)
         # A stop (SIGTERM to the group) reads to SGLang as a crash: it sleeps 5 s "to let GPU activity settle", then
         # py-spy-dumps the schedulers and asks for CUDA core dumps. On a CPU that is 5 s and a dump per stop, for
         # nothing a user asked.
