@@ -39,6 +39,13 @@ the CPU go to SGLang's code unchanged.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+TARGET = "sglang.srt.layers.sampler.sampling_from_probs_torch"
+FILTERED_TARGET = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
+CDF = "cdf"  # the value of $SGLTTS_CPU_SAMPLING that installs it
+FLUSH = "flush"  # the value of $SGLTTS_CPU_DENORMALS that flushes denormals to zero
+
 
 def flush_denormals() -> bool:
     """Flush denormal floats to zero in this thread (FTZ and DAZ; see the module's docstring); False where the CPU
@@ -46,13 +53,6 @@ def flush_denormals() -> bool:
     import torch
 
     return bool(torch.set_flush_denormal(True))
-
-from typing import Any, Callable
-
-TARGET = "sglang.srt.layers.sampler.sampling_from_probs_torch"
-FILTERED_TARGET = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
-CDF = "cdf"  # the value of $SGLTTS_CPU_SAMPLING that installs it
-FLUSH = "flush"  # the value of $SGLTTS_CPU_DENORMALS that flushes denormals to zero
 
 
 def inverse_cdf(probs: Any, uniform: Any) -> Any:
