@@ -76,11 +76,12 @@ def paged_kernel() -> Any:
     return build_kernel(KERNEL_SOURCE.read_bytes())
 
 
-def build_kernel(text: bytes) -> Any:
-    """The kernel compiled from the C++ source `text` (KERNEL_SOURCE's, or another version of it to measure
-    against: scripts/bench_attention.py), or None when it cannot be built. Built into the cache under a name that
-    carries the CPU's SIMD level and the source's hash (a cache shared by machines with different CPUs, or by
-    checkouts of different sources, keeps a build for each), then loaded from there."""
+def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE) -> Any:
+    """The extension compiled from the C++ source `text` of `source_file` (KERNEL_SOURCE's, another version of it to
+    measure against: scripts/bench_attention.py, or policies/cpu_layers.cpp), or None when it cannot be built. Built
+    into the cache under a name that carries the file's stem, the CPU's SIMD level and the source's hash (a cache
+    shared by machines with different CPUs, or by checkouts of different sources, keeps a build for each), then
+    loaded from there."""
     import torch
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns of no CUDA
@@ -90,13 +91,13 @@ def build_kernel(text: bytes) -> Any:
     from sgl_tts.paths import write_atomic
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    name = f"sgltts_paged_attention_{level.lower()}_{hashlib.sha256(text).hexdigest()[:10]}"
+    name = f"sgltts_{source_file.stem}_{level.lower()}_{hashlib.sha256(text).hexdigest()[:10]}"
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
     build = Path(cache_root()) / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     # Built from a copy beside the build: ninja rebuilds when a source's path changes, and every checkout (a
     # clean clone for CI, a worktree) has its own path to the same source.
-    source = build / KERNEL_SOURCE.name
+    source = build / source_file.name
     if not source.exists() or source.read_bytes() != text:
         write_atomic(source, text)
     if shutil.which("ninja") is None:  # torch builds with ninja, installed beside this interpreter
@@ -104,7 +105,7 @@ def build_kernel(text: bytes) -> Any:
     try:
         return load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(build))
     except Exception as exc:  # no compiler, a failed build: the torch path instead
-        logging.getLogger(__name__).warning("paged attention not built (%s); the torch paths run instead",
+        logging.getLogger(__name__).warning("%s not built (%s); the torch paths run instead", source_file.name,
                                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
 

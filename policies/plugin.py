@@ -1,9 +1,11 @@
 """SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
 batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
-policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the inverse-CDF sampling of policies/cpu_sampling.py
+policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the compiled RMSNorm and rotary embedding of policies/cpu_layers.py
+($SGLTTS_CPU_LAYERS=fused), the inverse-CDF sampling of policies/cpu_sampling.py
 ($SGLTTS_CPU_SAMPLING=cdf), denormals flushed to zero in the scheduler's thread ($SGLTTS_CPU_DENORMALS=flush),
 the search placement over data-parallel ranks of policies/search_placement.py
-($SGLTTS_DP_PLACEMENT=search), the probe margins of policies/probe_readout.py ($SGLTTS_PROBE_HEAD=<head file>)
+($SGLTTS_DP_PLACEMENT=search), an idle rank's core lent to a working one (policies/core_lending.py,
+$SGLTTS_CORE_LENDING=on), the probe margins of policies/probe_readout.py ($SGLTTS_PROBE_HEAD=<head file>)
 and the step timing of
 policies/step_timing.py ($SGLTTS_STEP_TRACE=<file>). Each installed hook says so in one line of the server's log.
 
@@ -23,8 +25,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import (cpu_attention, cpu_linear, cpu_sampling, idle_wait, make_policy, probe_readout, search_placement,
-                      step_timing)
+from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, idle_wait, make_policy,
+                      probe_readout, search_placement, step_timing)
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -77,10 +79,12 @@ def install(name: str, registry: Any, around: Any, trace_path: str | None = None
 def register() -> None:
     """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the paged or batched
     CPU decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
-    (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the inverse-CDF sampling (policies/cpu_sampling.py)
+    (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the compiled norms and rotary embedding
+    (policies/cpu_layers.py) when $SGLTTS_CPU_LAYERS says so, the inverse-CDF sampling (policies/cpu_sampling.py)
     when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py) when
-    $SGLTTS_DP_PLACEMENT says so, the probe margins (policies/probe_readout.py) when $SGLTTS_PROBE_HEAD names a
-    head file, and the step timing (policies/step_timing.py) when
+    $SGLTTS_DP_PLACEMENT says so, the core lending (policies/core_lending.py) when $SGLTTS_CORE_LENDING says so,
+    the probe margins (policies/probe_readout.py) when $SGLTTS_PROBE_HEAD names a head file, and the step timing
+    (policies/step_timing.py) when
     $SGLTTS_STEP_TRACE names a file."""
     name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
     attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
@@ -108,6 +112,11 @@ def register() -> None:
                              (cpu_linear.NORMALIZER_TARGET, cpu_linear.normalizer_hook, "AROUND")],
                             f"{linear} linear layers installed on {cpu_linear.LINEAR_TARGET} and "
                             f"{cpu_linear.LM_HEAD_TARGET}, live-rows normalizer on {cpu_linear.NORMALIZER_TARGET}"))
+    if (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED:
+        switched_on.append(([(cpu_layers.NORM_TARGET, cpu_layers.norm_hook, "AROUND"),
+                             (cpu_layers.ROTARY_TARGET, cpu_layers.rotary_hook, "AROUND")],
+                            f"compiled RMSNorm and rotary embedding installed on {cpu_layers.NORM_TARGET} and "
+                            f"{cpu_layers.ROTARY_TARGET}"))
     if sampling == cpu_sampling.CDF:
         switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND"),
                              (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND")],
@@ -119,6 +128,10 @@ def register() -> None:
     if placement == search_placement.SEARCH:
         switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
                             f"search placement installed on {search_placement.TARGET}"))
+    if (env_names.read(env_names.CORE_LENDING) or "").strip() == core_lending.ON:
+        # made here, before SGLang forks the ranks, so that they share its board
+        switched_on.append(([(core_lending.TARGET, core_lending.CoreLending().forward, "AROUND")],
+                            f"core lending installed on {core_lending.TARGET}"))
     if probe_head:
         switched_on.append(([(probe_readout.TARGET, probe_readout.make_forward_hook(probe_head), "AROUND")],
                             f"probe margins of {probe_head} installed on {probe_readout.TARGET}"))

@@ -160,7 +160,8 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
     import pkgutil
 
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
-    from policies import cpu_attention, cpu_linear, cpu_sampling, idle_wait, probe_readout, search_placement, step_timing
+    from policies import (core_lending, cpu_attention, cpu_linear, cpu_sampling, idle_wait, probe_readout,
+                          search_placement, step_timing)
 
     HookRegistry = registry_module.HookRegistry
     monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
@@ -168,6 +169,7 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
     monkeypatch.setenv(env_names.CPU_LINEAR, cpu_linear.PACKED)
     monkeypatch.setenv(env_names.CPU_SAMPLING, cpu_sampling.CDF)
     monkeypatch.setenv(env_names.DP_PLACEMENT, search_placement.SEARCH)
+    monkeypatch.setenv(env_names.CORE_LENDING, core_lending.ON)
     monkeypatch.setenv(env_names.STEP_TRACE, str(tmp_path / "steps.jsonl"))
     head = tmp_path / "head.json"
     head.write_text('{"layer": 1, "weight": [0.5, -0.5]}')
@@ -184,8 +186,8 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
                           cpu_linear.NORMALIZER_TARGET: ["AROUND"],
                           cpu_sampling.TARGET: ["AROUND"], cpu_sampling.FILTERED_TARGET: ["AROUND"],
                           search_placement.TARGET: ["AROUND"], step_timing.RUN_BATCH: ["AROUND"],
-                          step_timing.MODEL_FORWARD: ["AROUND", "AROUND"]}  # the probe margins' hook too
-    assert probe_readout.TARGET == step_timing.MODEL_FORWARD
+                          step_timing.MODEL_FORWARD: ["AROUND", "AROUND", "AROUND"]}  # lending, probe margins
+    assert probe_readout.TARGET == core_lending.TARGET == step_timing.MODEL_FORWARD
     for target in registered:  # every target is a function or method of the installed SGLang, found as SGLang does
         assert callable(pkgutil.resolve_name(target)), target
 
@@ -194,7 +196,8 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     HookRegistry = registry_module.HookRegistry
     for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
-                 env_names.CPU_DENORMALS, env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
+                 env_names.CPU_DENORMALS, env_names.DP_PLACEMENT, env_names.CORE_LENDING, env_names.STEP_TRACE,
+                 env_names.PROBE_HEAD):
         monkeypatch.delenv(name, raising=False)
     HookRegistry.reset()
     try:

@@ -1,5 +1,5 @@
 """`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
-kernel); idempotent.
+kernel and the norm and rotary kernels); idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -10,6 +10,7 @@ import sys
 import time
 
 from policies.cpu_attention import paged_kernel
+from policies.cpu_layers import layer_kernels
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
 from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
 
@@ -22,6 +23,8 @@ def provision() -> None:
     # built here, not by a runtime's first decode step (about 40 s on one core); a failure is not fatal
     built = paged_kernel() is not None
     print(f"setup: paged attention kernel {'built' if built else 'not built: batched_decode runs instead'}", flush=True)
+    layers = "built" if layer_kernels() is not None else "not built: SGLang's torch versions run instead"
+    print(f"setup: norm and rotary kernels {layers}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from policies import cpu_attention, cpu_linear, cpu_sampling, search_placement
+from policies import core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, search_placement
 from sgl_tts import env_names
 from sgl_tts.runtime.hardware import cpu_flags
 from sgl_tts.runtime.http_client import http_json
@@ -206,6 +206,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # fp32 packed runtime's at 16 requests, 1.6x at 64, docs/runtime-speed.md); `env: {SGLTTS_CPU_LINEAR: packed}`
         # keeps fp32 there, `sglang` keeps SGLang's F.linear, and so does the variable set in the caller's environment.
         env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16 if AMX_BF16 in cpu_flags() else cpu_linear.PACKED)
+        # RMSNorm and the rotary embedding in one compiled call each (policies/cpu_layers.py) instead of SGLang's
+        # torch ops, whose dispatch is most of their cost at a search's rows; `env: {SGLTTS_CPU_LAYERS: torch}`.
+        env.setdefault(env_names.CPU_LAYERS, cpu_layers.FUSED)
         # Temperature sampling by the inverse CDF instead of torch.multinomial (policies/cpu_sampling.py): 152 -> 8 ms
         # for 128 rows on one core; `env: {SGLTTS_CPU_SAMPLING: sglang}` keeps SGLang's.
         env[env_names.CPU_SAMPLING] = cpu_sampling.CDF
@@ -229,6 +232,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
                 f"{rank * threads}-{rank * threads + threads - 1}" if threads > 1 else str(rank)
                 for rank in range(config.data_parallel))
+            # A rank whose peers are idle runs its forward on their cores too (policies/core_lending.py): one search
+            # alone decodes on the whole machine; `env: {SGLTTS_CORE_LENDING: off}` keeps each rank on its core.
+            env[env_names.CORE_LENDING] = core_lending.ON
     env.update(config.env)
     return env
 

@@ -1,0 +1,110 @@
+"""An idle rank lends its core to a working one: each forward takes as many threads as there are idle cores.
+
+A CPU session's generator runs one single-threaded SGLang rank per core (`share_cpu_cores`): with many requests
+every rank decodes, each on its core, and no thread waits at a barrier for a core another process holds. With one
+search at a time (a served request, `sgl-tts bench peers` solving one problem at a time) only the rank that holds
+the search's run works (`policies/search_placement.py`) and the other core idles. At the 1-8 rows a search's step
+decodes, a forward reads every weight once and one core cannot read them fast enough: SmolLM2-135M's bf16 linear
+layers of one step take 37.6 ms at 8 rows on one thread and 22.9 ms on two (2-core Xeon, AMX;
+`scripts/bench_linear_bf16.py --threads 1|2`).
+
+The ranks of one runtime share a board (`Board`: one slot per rank in memory mapped before the ranks are forked).
+Each rank stamps its slot when a forward starts and ends; before each forward it counts the other ranks that are idle
+
+    idle(r)  =  r has run a forward, is not in one, and its last one ended IDLE_AFTER_S ago or more
+    threads  =  own threads x (1 + number of idle ranks)                  (each rank owns its share of the cores)
+
+and runs the forward on that many torch threads, then returns to its own (sampling, after the forward, runs in
+the scheduler's thread alone, whose denormals are flushed: `policies/cpu_sampling.py`). Only decode steps borrow: a
+prefill is one long forward, often of requests that arrived together, when the other rank's own are a moment
+behind, and both would then run on three threads for its whole length. A rank that has not yet run
+a forward counts as busy, so a board that is not shared (a rank that was not forked from the process that made
+it) lends nothing. When an idle rank gets a request, the borrower sees it at its next forward: at most one
+decode step runs with a thread more than there are cores.
+
+The plugin (`policies/plugin.py`) installs it with $SGLTTS_CORE_LENDING=on; `sgl_tts/runtime/server.py` sets it on
+every multi-rank CPU runtime (`env: {SGLTTS_CORE_LENDING: off}` keeps each rank on its own core).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from typing import Any, Callable, Sequence
+
+TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+ON = "on"  # the value of $SGLTTS_CORE_LENDING that installs it
+IDLE_AFTER_S = 0.1  # a busy rank's forwards follow each other within milliseconds; this is an idle rank
+SLOTS = 64  # ranks a board holds
+SLOT = struct.Struct("=ddd")  # pid (0: never ran a forward), in a forward (0/1), when the last forward ended
+
+
+class Board:
+    """One slot per rank in shared memory (anonymous, MAP_SHARED: inherited by processes forked after it)."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        self.slots = slots
+        self.memory = mmap.mmap(-1, SLOT.size * slots)
+
+    def write(self, rank: int, pid: int, busy: bool, ended_at: float) -> None:
+        SLOT.pack_into(self.memory, SLOT.size * rank, float(pid), float(busy), ended_at)
+
+    def read(self) -> list[tuple[float, float, float]]:
+        return [SLOT.unpack_from(self.memory, SLOT.size * rank) for rank in range(self.slots)]
+
+
+def idle_ranks(slots: Sequence[tuple[float, float, float]], own: int, now: float,
+               idle_after_s: float = IDLE_AFTER_S) -> int:
+    """How many ranks other than `own` are idle: have run a forward, are not in one, and ended it `idle_after_s`
+    ago or more."""
+    return sum(1 for rank, (pid, busy, ended_at) in enumerate(slots)
+               if rank != own and pid > 0 and not busy and now - ended_at >= idle_after_s)
+
+
+def decodes(args: tuple, kwargs: dict) -> bool:
+    """Whether `ModelRunner.forward(forward_batch, ...)` runs a decode step (not a prefill)."""
+    batch = args[0] if args else kwargs.get("forward_batch")
+    mode = getattr(batch, "forward_mode", None)
+    return mode is not None and bool(mode.is_decode())
+
+
+class CoreLending:
+    """The AROUND hook on `ModelRunner.forward` of one runtime's ranks (made before they are forked)."""
+
+    def __init__(self, board: Board | None = None, clock: Callable[[], float] = time.monotonic,
+                 threads: Any = None) -> None:
+        self.board = board or Board()
+        self.clock = clock  # CLOCK_MONOTONIC: one clock for every process of the machine
+        self._threads = threads  # (get, set) of the torch threads; torch's by default (tests pass their own)
+
+    def rank(self) -> int:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = get_parallel().dp_rank
+        return 0 if rank is None else rank
+
+    def threads(self) -> tuple[Callable[[], int], Callable[[int], None]]:
+        if self._threads is None:
+            import torch
+
+            self._threads = (torch.get_num_threads, torch.set_num_threads)
+        return self._threads
+
+    def forward(self, original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+        rank, pid = self.rank(), os.getpid()
+        if rank >= self.board.slots:
+            return original(runner, *args, **kwargs)
+        get_threads, set_threads = self.threads()
+        own = get_threads()
+        lent = idle_ranks(self.board.read(), rank, self.clock()) if decodes(args, kwargs) else 0
+        self.board.write(rank, pid, True, 0.0)
+        if lent:
+            set_threads(own * (1 + lent))
+        try:
+            return original(runner, *args, **kwargs)
+        finally:
+            if lent:
+                set_threads(own)
+            self.board.write(rank, pid, False, self.clock())

@@ -1,0 +1,132 @@
+"""An idle rank's core lent to a working one (policies/core_lending.py): the count of idle ranks, the threads a
+forward runs on, the board shared with forked ranks, and the runtimes that get it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from policies import core_lending
+from policies.core_lending import Board, CoreLending, idle_ranks
+
+
+def test_an_idle_rank_is_one_that_ran_a_forward_is_out_of_it_and_has_been_for_a_while():
+    now = 100.0
+    slots = [(11, 0.0, 10.0),  # this rank (own): never counted
+             (12, 0.0, 99.95),  # ended 50 ms ago: still between two steps
+             (13, 1.0, 0.0),  # in a forward
+             (0, 0.0, 0.0),  # never ran a forward: counted busy
+             (14, 0.0, 99.5),  # ended 500 ms ago: idle
+             (15, 0.0, 99.875)]  # ended 125 ms ago: idle
+    assert idle_ranks(slots, own=0, now=now, idle_after_s=0.1) == 2
+    assert idle_ranks(slots, own=4, now=now, idle_after_s=0.1) == 2  # rank 0 idle, rank 4 is itself
+    assert idle_ranks(slots, own=0, now=now, idle_after_s=1.0) == 0
+
+
+class Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+class Batch:
+    def __init__(self, decode: bool = True) -> None:
+        self.forward_mode = Mode(decode)
+
+
+class FakeThreads:
+    def __init__(self, threads: int) -> None:
+        self.threads, self.history = threads, []
+
+    def get(self) -> int:
+        return self.threads
+
+    def set(self, threads: int) -> None:
+        self.threads = threads
+        self.history.append(threads)
+
+
+def lending(rank: int, clock, threads: FakeThreads, board: Board) -> CoreLending:
+    lender = CoreLending(board, clock=clock, threads=(threads.get, threads.set))
+    lender.rank = lambda: rank
+    return lender
+
+
+def test_a_decode_step_runs_on_the_idle_ranks_cores_and_returns_to_its_own_after():
+    board, now = Board(slots=3), [50.0]
+    threads = FakeThreads(1)
+    rank0 = lending(0, lambda: now[0], threads, board)
+    seen = []
+
+    def forward(runner, forward_batch):  # what the rank's forward sees: its thread count and its own slot marked busy
+        seen.append((threads.threads, board.read()[0][1]))
+        return forward_batch
+
+    step = Batch()
+    assert rank0.forward(forward, None, step) is step
+    assert seen[-1] == (1, 1.0) and threads.history == []  # the other ranks never ran a forward: nothing lent
+    board.write(1, 1234, False, 49.0)  # rank 1 ran one and ended a second ago
+    board.write(2, 1235, True, 0.0)  # rank 2 is in one
+    assert rank0.forward(forward, None, forward_batch=step) is step
+    assert seen[-1] == (2, 1.0) and threads.history == [2, 1]  # rank 1's core lent for this forward only
+    pid, busy, ended_at = board.read()[0]
+    assert (pid, busy, ended_at) == (os.getpid(), 0.0, 50.0)
+    board.write(2, 1235, False, 40.0)
+    rank0.forward(forward, None, step)
+    assert seen[-1] == (3, 1.0)
+    rank0.forward(forward, None, Batch(decode=False))  # a prefill borrows nothing
+    assert seen[-1] == (1, 1.0)
+    board.write(1, 1234, True, 0.0)
+    board.write(2, 1235, True, 0.0)
+    rank0.forward(forward, None, step)
+    assert seen[-1] == (1, 1.0) and threads.history == [2, 1, 3, 1]  # both busy: its own core only
+
+
+def test_a_rank_of_two_threads_borrows_the_idle_ranks_two():
+    board = Board(slots=2)
+    board.write(1, 77, False, 0.0)
+    threads = FakeThreads(2)
+    seen = []
+    lending(0, lambda: 10.0, threads, board).forward(lambda runner, batch: seen.append(threads.threads), None,
+                                                     Batch())
+    assert seen == [4] and threads.threads == 2
+
+
+def test_a_failing_forward_still_returns_the_threads_and_marks_the_rank_out_of_it():
+    board = Board(slots=2)
+    board.write(1, 77, False, 0.0)
+    threads = FakeThreads(1)
+
+    def failing(runner, batch):
+        assert threads.threads == 2
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        lending(0, lambda: 10.0, threads, board).forward(failing, None, Batch())
+    assert threads.threads == 1 and board.read()[0][1] == 0.0
+
+
+def test_forked_ranks_share_the_board_their_parent_made():
+    board = Board(slots=4)
+    child = os.fork()
+    if child == 0:  # a rank forked after the board was made, as SGLang forks them after the plugin registers
+        board.write(3, os.getpid(), False, 123.0)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert status == 0
+    assert board.read()[3] == (float(child), 0.0, 123.0)
+
+
+def test_multi_rank_cpu_runtimes_lend_cores_unless_told_not_to(monkeypatch):
+    from sgl_tts import env_names
+    from sgl_tts.runtime import server
+
+    monkeypatch.delenv(env_names.CORE_LENDING, raising=False)
+    two_ranks = server.RuntimeConfig(cpu_threads=1, data_parallel=2)
+    assert server.server_env(two_ranks)[env_names.CORE_LENDING] == core_lending.ON
+    assert env_names.CORE_LENDING not in server.server_env(server.RuntimeConfig(cpu_threads=1))  # one rank
+    off = server.RuntimeConfig(cpu_threads=1, data_parallel=2, env={env_names.CORE_LENDING: "off"})
+    assert server.server_env(off)[env_names.CORE_LENDING] == "off"
