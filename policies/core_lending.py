@@ -1,4 +1,4 @@
-"""An idle rank lends its core to a working one: each forward takes as many threads as there are idle cores.
+"""An idle rank lends its core to a working one: a decode step runs on its rank's core and on its idle peers'.
 
 A CPU session's generator runs one single-threaded SGLang rank per core (`share_cpu_cores`): with many requests
 every rank decodes, each on its core, and no thread waits at a barrier for a core another process holds. With one
@@ -9,7 +9,8 @@ layers of one step take 37.6 ms at 8 rows on one thread and 22.9 ms on two (2-co
 `scripts/bench_linear_bf16.py --threads 1|2`).
 
 The ranks of one runtime share a board (`Board`: one slot per rank in memory mapped before the ranks are forked).
-Each rank stamps its slot when a forward starts and ends; before each forward it counts the other ranks that are idle
+Each rank stamps its slot when a forward starts and ends; before each decode step it counts the other ranks that are
+idle
 
     idle(r)  =  r has run a forward, is not in one, and its last one ended IDLE_AFTER_S ago or more
     threads  =  own threads x (1 + number of idle ranks)                  (each rank owns its share of the cores)
@@ -17,10 +18,11 @@ Each rank stamps its slot when a forward starts and ends; before each forward it
 and runs the forward on that many torch threads, then returns to its own (sampling, after the forward, runs in
 the scheduler's thread alone, whose denormals are flushed: `policies/cpu_sampling.py`). Only decode steps borrow: a
 prefill is one long forward, often of requests that arrived together, when the other rank's own are a moment
-behind, and both would then run on three threads for its whole length. A rank that has not yet run
-a forward counts as busy, so a board that is not shared (a rank that was not forked from the process that made
-it) lends nothing. When an idle rank gets a request, the borrower sees it at its next forward: at most one
-decode step runs with a thread more than there are cores.
+behind, and both would then run on three threads for its whole length. A rank that has not yet run a forward
+counts as busy, so a board that is not shared (a rank that was not forked from the process that made it) lends
+nothing. Only the ranks of one runtime are counted: another busy process on the machine (a verifier runtime of its
+own) is not seen, and a borrowed step then shares a core with it. When an idle rank gets a request, the borrower
+sees it at its next forward: at most one decode step runs with a thread more than there are cores.
 
 The plugin (`policies/plugin.py`) installs it with $SGLTTS_CORE_LENDING=on; `sgl_tts/runtime/server.py` sets it on
 every multi-rank CPU runtime (`env: {SGLTTS_CORE_LENDING: off}` keeps each rank on its own core).
