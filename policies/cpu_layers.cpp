@@ -94,8 +94,8 @@ inline void rotate_head(const float* x, float* out, const float* cos, const floa
   for (int64_t i = rotary_dim; i < head_size; ++i) out[i] = x[i];
 }
 
-torch::Tensor rotate(const torch::Tensor& x, const int64_t* position, const float* cache, int64_t cache_row,
-                     int64_t head_size, int64_t rotary_dim, bool neox) {
+torch::Tensor rotate(const torch::Tensor& x, const int64_t* position, const float* cache, int64_t head_size,
+                     int64_t rotary_dim, bool neox) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) % head_size == 0,
               "query and key: float32 [tokens, heads * head_size], contiguous rows");
   const int64_t rows = x.size(0), width = x.size(1), heads = width / head_size, x_r = x.stride(0);
@@ -104,7 +104,7 @@ torch::Tensor rotate(const torch::Tensor& x, const int64_t* position, const floa
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* cos = cache + position[r] * cache_row;
+      const float* cos = cache + position[r] * rotary_dim;  // a cache row is cos | sin, rotary_dim / 2 each
       const float* sin = cos + rotary_dim / 2;
       for (int64_t h = 0; h < heads; ++h)
         rotate_head(in + r * x_r + h * head_size, o + r * width + h * head_size, cos, sin, head_size, rotary_dim,
@@ -132,8 +132,8 @@ std::vector<torch::Tensor> rotary(const torch::Tensor& positions, const torch::T
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(position[t] >= 0 && position[t] < cos_sin_cache.size(0), "a position past the cos_sin_cache");
   const float* cache = cos_sin_cache.data_ptr<float>();
-  return {rotate(query, position, cache, rotary_dim, head_size, rotary_dim, neox),
-          rotate(key, position, cache, rotary_dim, head_size, rotary_dim, neox)};
+  return {rotate(query, position, cache, head_size, rotary_dim, neox),
+          rotate(key, position, cache, head_size, rotary_dim, neox)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -58,8 +58,7 @@ def norm_hook(original: Callable[..., Any], norm: Any, x: Any, residual: Any = N
             and layer_kernels() is not None):
         if residual is None:
             return layer_kernels().rms_norm(x, weight, norm.variance_epsilon)
-        normed, added = layer_kernels().add_rms_norm(x, residual, weight, norm.variance_epsilon)
-        return normed, added
+        return tuple(layer_kernels().add_rms_norm(x, residual, weight, norm.variance_epsilon))  # (normed, x + residual)
     return original(norm, x, residual, post_residual_addition, quant_linear)
 
 
@@ -76,7 +75,6 @@ def rotary_hook(original: Callable[..., Any], rotary: Any, positions: Any, query
             and cache is not None and cache.dtype == torch.float32 and cache.is_contiguous()
             and cache.shape[-1] == rotary.rotary_dim and query.dim() == key.dim() == 2 and _fp32_rows(query, key)
             and positions.dtype == torch.int64 and layer_kernels() is not None):
-        rotated_query, rotated_key = layer_kernels().rotary(positions.flatten().contiguous(), query, key, cache,
-                                                            rotary.head_size, bool(rotary.is_neox_style))
-        return rotated_query, rotated_key
+        return tuple(layer_kernels().rotary(positions.flatten().contiguous(), query, key, cache, rotary.head_size,
+                                            bool(rotary.is_neox_style)))  # (query, key) rotated
     return original(rotary, positions, query, key, offsets, fused_set_kv_buffer_arg)
