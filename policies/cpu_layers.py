@@ -67,14 +67,22 @@ def rotary_hook(original: Callable[..., Any], rotary: Any, positions: Any, query
     """An AROUND hook for `RotaryEmbedding.forward_native`: the compiled rotation for fp32 query and key rows."""
     import torch
 
+    if (offsets is None and fused_set_kv_buffer_arg is None and plain_rotary(rotary)
+            and query.dim() == key.dim() == 2 and _fp32_rows(query, key) and positions.dtype == torch.int64
+            and layer_kernels() is not None):
+        return tuple(layer_kernels().rotary(positions.flatten().contiguous(), query, key, rotary.cos_sin_cache,
+                                            rotary.head_size, bool(rotary.is_neox_style)))  # (query, key) rotated
+    return original(rotary, positions, query, key, offsets, fused_set_kv_buffer_arg)
+
+
+def plain_rotary(rotary: Any) -> bool:
+    """Whether `rotary` is SGLang's plain rotation (no subclass's own) on an fp32 cos | sin cache of rotary_dim."""
+    import torch
+
     from sglang.srt.layers.rotary_embedding import base
 
     cache = getattr(rotary, "cos_sin_cache", None)
-    if (offsets is None and fused_set_kv_buffer_arg is None and not hasattr(rotary, "sin_cos_cache")
+    return (not hasattr(rotary, "sin_cos_cache")
             and getattr(rotary, "_apply_rotary_emb_wrapped", None) is base.apply_rotary_emb  # the plain rotation
             and cache is not None and cache.dtype == torch.float32 and cache.is_contiguous()
-            and cache.shape[-1] == rotary.rotary_dim and query.dim() == key.dim() == 2 and _fp32_rows(query, key)
-            and positions.dtype == torch.int64 and layer_kernels() is not None):
-        return tuple(layer_kernels().rotary(positions.flatten().contiguous(), query, key, cache, rotary.head_size,
-                                            bool(rotary.is_neox_style)))  # (query, key) rotated
-    return original(rotary, positions, query, key, offsets, fused_set_kv_buffer_arg)
+            and cache.shape[-1] == rotary.rotary_dim)

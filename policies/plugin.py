@@ -1,7 +1,8 @@
 """SGLang plugin: installs the scheduler policy named by $SGLTTS_POLICY into the runtime, and (CPU runtimes) the
 batched decode attention of policies/cpu_attention.py ($SGLTTS_CPU_ATTENTION=batched), the packed linear layers of
 policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the compiled RMSNorm and rotary embedding of policies/cpu_layers.py
-($SGLTTS_CPU_LAYERS=fused), the inverse-CDF sampling of policies/cpu_sampling.py
+($SGLTTS_CPU_LAYERS=fused), the lean Llama decode step over those kernels of policies/lean_decode.py
+($SGLTTS_CPU_DECODE=lean), the inverse-CDF sampling of policies/cpu_sampling.py
 ($SGLTTS_CPU_SAMPLING=cdf), denormals flushed to zero in the scheduler's thread ($SGLTTS_CPU_DENORMALS=flush),
 the search placement over data-parallel ranks of policies/search_placement.py
 ($SGLTTS_DP_PLACEMENT=search), an idle rank's core lent to a working one (policies/core_lending.py,
@@ -25,8 +26,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, idle_wait, make_policy,
-                      probe_readout, search_placement, step_timing)
+from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, idle_wait, lean_decode,
+                      make_policy, probe_readout, search_placement, step_timing)
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -80,12 +81,12 @@ def register() -> None:
     """The `sglang.srt.plugins` entry point: the scheduler policy named by $SGLTTS_POLICY, the paged or batched
     CPU decode attention (policies/cpu_attention.py) when $SGLTTS_CPU_ATTENTION says so, the packed linear layers
     (policies/cpu_linear.py) when $SGLTTS_CPU_LINEAR says so, the compiled norms and rotary embedding
-    (policies/cpu_layers.py) when $SGLTTS_CPU_LAYERS says so, the inverse-CDF sampling (policies/cpu_sampling.py)
-    when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py) when
-    $SGLTTS_DP_PLACEMENT says so, the core lending (policies/core_lending.py) when $SGLTTS_CORE_LENDING says so,
+    (policies/cpu_layers.py) when $SGLTTS_CPU_LAYERS says so, the lean decode step (policies/lean_decode.py) when
+    $SGLTTS_CPU_DECODE says so and those three kernels are installed, the inverse-CDF sampling
+    (policies/cpu_sampling.py) when $SGLTTS_CPU_SAMPLING says so, the search placement (policies/search_placement.py)
+    when $SGLTTS_DP_PLACEMENT says so, the core lending (policies/core_lending.py) when $SGLTTS_CORE_LENDING says so,
     the probe margins (policies/probe_readout.py) when $SGLTTS_PROBE_HEAD names a head file, and the step timing
-    (policies/step_timing.py) when
-    $SGLTTS_STEP_TRACE names a file."""
+    (policies/step_timing.py) when $SGLTTS_STEP_TRACE names a file."""
     name = (env_names.read(ENV_POLICY) or "").strip() or FcfsOrder.name
     attention = (env_names.read(env_names.CPU_ATTENTION) or "").strip()
     linear = (env_names.read(env_names.CPU_LINEAR) or "").strip()
@@ -117,6 +118,17 @@ def register() -> None:
                              (cpu_layers.ROTARY_TARGET, cpu_layers.rotary_hook, "AROUND")],
                             f"compiled RMSNorm and rotary embedding installed on {cpu_layers.NORM_TARGET} and "
                             f"{cpu_layers.ROTARY_TARGET}"))
+    if (env_names.read(env_names.CPU_DECODE) or "").strip() == lean_decode.LEAN:
+        kernels = {env_names.CPU_ATTENTION: attention == cpu_attention.PAGED,
+                   env_names.CPU_LINEAR: linear in cpu_linear.VALUES,
+                   env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
+        if all(kernels.values()):
+            hook = lean_decode.make_forward_hook(bf16=linear == cpu_linear.PACKED_BF16, announce=announce)
+            switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
+                                f"lean decode installed on {lean_decode.TARGET}"))
+        else:
+            announce(f"lean decode not installed: it computes with the kernels of "
+                     f"{', '.join(name for name, on in kernels.items() if not on)}, which are not installed")
     if sampling == cpu_sampling.CDF:
         switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND"),
                              (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND")],

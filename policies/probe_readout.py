@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from policies import lean_decode
+
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 META_KEY = "sgl_tts_probe_margins"  # meta_info key of the margins an extend returns
 
@@ -96,6 +98,9 @@ def install_capture(model: Any, head: ReadoutHead, table_for: Callable[[], Margi
         return forward(positions, hidden_states, forward_batch, capture_output=capture, **kwargs)
 
     layer.forward = forward_with_capture
+    # the same record where the lean decode step (policies/lean_decode.py) computes the layer without its forward
+    setattr(layer, lean_decode.CAPTURE,
+            lambda residual, forward_batch: table_for().record(residual, forward_batch.out_cache_loc))
 
 
 def make_forward_hook(head_path: str) -> Callable[..., Any]:

@@ -24,6 +24,7 @@ POLICY_TRACE = "SGLTTS_POLICY_TRACE"  # a file the plugin appends each reordered
 CPU_ATTENTION = "SGLTTS_CPU_ATTENTION"  # "paged" or "batched": the decode attention of policies/cpu_attention.py
 CPU_LINEAR = "SGLTTS_CPU_LINEAR"  # "packed": the plugin's oneDNN linear layers (policies/cpu_linear.py)
 CPU_LAYERS = "SGLTTS_CPU_LAYERS"  # "fused": compiled RMSNorm and rotary embedding (policies/cpu_layers.py)
+CPU_DECODE = "SGLTTS_CPU_DECODE"  # "lean": a Llama decode step as one loop over the kernels (policies/lean_decode.py)
 DP_PLACEMENT = "SGLTTS_DP_PLACEMENT"  # "search": a run's requests on one DP rank (policies/search_placement.py)
 CORE_LENDING = "SGLTTS_CORE_LENDING"  # "on": an idle DP rank's core lent to a working one (policies/core_lending.py)
 CPU_SAMPLING = "SGLTTS_CPU_SAMPLING"  # "cdf": the plugin's inverse-CDF token sampling (policies/cpu_sampling.py)
@@ -35,8 +36,8 @@ NOTEBOOK_MODEL = "SGLTTS_NOTEBOOK_MODEL"  # the model notebooks/quickstart.ipynb
 NOTEBOOK_TAG = "SGLTTS_NOTEBOOK_TAG"  # tests: marks the processes a notebook test starts
 RUNTIME_ZYGOTE = "SGLTTS_RUNTIME_ZYGOTE"  # "off": CPU runtimes started afresh, not forked (sgl_tts/runtime/zygote.py)
 
-NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_LAYERS, CPU_SAMPLING, CPU_DENORMALS,
-         DP_PLACEMENT, CORE_LENDING, PROBE_HEAD, STEP_TRACE,
+NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_LAYERS, CPU_DECODE, CPU_SAMPLING,
+         CPU_DENORMALS, DP_PLACEMENT, CORE_LENDING, PROBE_HEAD, STEP_TRACE,
          EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG, RUNTIME_ZYGOTE)
 
 _warned: set[str] = set()  # old names already warned about in this process

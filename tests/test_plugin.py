@@ -160,13 +160,15 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
     import pkgutil
 
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
-    from policies import (core_lending, cpu_attention, cpu_linear, cpu_sampling, idle_wait, probe_readout,
-                          search_placement, step_timing)
+    from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, idle_wait, lean_decode,
+                          probe_readout, search_placement, step_timing)
 
     HookRegistry = registry_module.HookRegistry
     monkeypatch.delenv(plugin.ENV_POLICY, raising=False)
     monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.PAGED)
     monkeypatch.setenv(env_names.CPU_LINEAR, cpu_linear.PACKED)
+    monkeypatch.setenv(env_names.CPU_LAYERS, cpu_layers.FUSED)
+    monkeypatch.setenv(env_names.CPU_DECODE, lean_decode.LEAN)
     monkeypatch.setenv(env_names.CPU_SAMPLING, cpu_sampling.CDF)
     monkeypatch.setenv(env_names.DP_PLACEMENT, search_placement.SEARCH)
     monkeypatch.setenv(env_names.CORE_LENDING, core_lending.ON)
@@ -184,6 +186,8 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
                           idle_wait.TARGET: ["REPLACE"],
                           cpu_linear.LINEAR_TARGET: ["AROUND"], cpu_linear.LM_HEAD_TARGET: ["AROUND"],
                           cpu_linear.NORMALIZER_TARGET: ["AROUND"],
+                          cpu_layers.NORM_TARGET: ["AROUND"], cpu_layers.ROTARY_TARGET: ["AROUND"],
+                          lean_decode.TARGET: ["AROUND"],
                           cpu_sampling.TARGET: ["AROUND"], cpu_sampling.FILTERED_TARGET: ["AROUND"],
                           search_placement.TARGET: ["AROUND"], step_timing.RUN_BATCH: ["AROUND"],
                           step_timing.MODEL_FORWARD: ["AROUND", "AROUND", "AROUND"]}  # lending, probe margins
@@ -195,7 +199,8 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
 def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     HookRegistry = registry_module.HookRegistry
-    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_LAYERS,
+                 env_names.CPU_DECODE, env_names.CPU_SAMPLING,
                  env_names.CPU_DENORMALS, env_names.DP_PLACEMENT, env_names.CORE_LENDING, env_names.STEP_TRACE,
                  env_names.PROBE_HEAD):
         monkeypatch.delenv(name, raising=False)
@@ -207,6 +212,29 @@ def test_without_cpu_settings_register_installs_no_cpu_hook(monkeypatch):
         HookRegistry.reset()
 
 
+@pytest.mark.parametrize("missing", ["SGLTTS_CPU_ATTENTION", "SGLTTS_CPU_LINEAR", "SGLTTS_CPU_LAYERS"])
+def test_the_lean_decode_step_is_installed_only_with_the_kernels_it_calls(monkeypatch, capsys, missing):
+    registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    from policies import cpu_attention, cpu_layers, cpu_linear, lean_decode
+
+    HookRegistry = registry_module.HookRegistry
+    for name in (plugin.ENV_POLICY, env_names.CPU_SAMPLING, env_names.CPU_DENORMALS, env_names.DP_PLACEMENT,
+                 env_names.CORE_LENDING, env_names.STEP_TRACE, env_names.PROBE_HEAD):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env_names.CPU_DECODE, lean_decode.LEAN)
+    monkeypatch.setenv(env_names.CPU_ATTENTION, cpu_attention.PAGED)
+    monkeypatch.setenv(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16)
+    monkeypatch.setenv(env_names.CPU_LAYERS, cpu_layers.FUSED)
+    monkeypatch.setenv(missing, "sglang")
+    HookRegistry.reset()
+    try:
+        plugin.register()
+        assert lean_decode.TARGET not in HookRegistry._hooks
+    finally:
+        HookRegistry.reset()
+    assert f"lean decode not installed: it computes with the kernels of {missing}, which" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("setting, flushed", [("flush", True), ("keep", False)])
 def test_the_denormals_setting_flushes_them_in_the_registering_thread(monkeypatch, setting, flushed):
     """SGLang's scheduler registers the plugin in the thread that runs its forward and sampling; FTZ/DAZ are per
@@ -214,7 +242,8 @@ def test_the_denormals_setting_flushes_them_in_the_registering_thread(monkeypatc
     import threading
 
     torch = pytest.importorskip("torch")
-    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_SAMPLING,
+    for name in (plugin.ENV_POLICY, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_LAYERS,
+                 env_names.CPU_DECODE, env_names.CPU_SAMPLING,
                  env_names.DP_PLACEMENT, env_names.STEP_TRACE, env_names.PROBE_HEAD):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(env_names.CPU_DENORMALS, setting)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from policies import core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, search_placement
+from policies import core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, lean_decode, search_placement
 from sgl_tts import env_names
 from sgl_tts.runtime.hardware import cpu_flags
 from sgl_tts.runtime.http_client import http_json
@@ -209,6 +209,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # RMSNorm and the rotary embedding in one compiled call each (policies/cpu_layers.py) instead of SGLang's
         # torch ops, whose dispatch is most of their cost at a search's rows; `env: {SGLTTS_CPU_LAYERS: torch}`.
         env.setdefault(env_names.CPU_LAYERS, cpu_layers.FUSED)
+        # A Llama decode step as one loop over those kernels, without SGLang's layer code between them
+        # (policies/lean_decode.py); `env: {SGLTTS_CPU_DECODE: sglang}` keeps SGLang's.
+        env.setdefault(env_names.CPU_DECODE, lean_decode.LEAN)
         # Temperature sampling by the inverse CDF instead of torch.multinomial (policies/cpu_sampling.py): 152 -> 8 ms
         # for 128 rows on one core; `env: {SGLTTS_CPU_SAMPLING: sglang}` keeps SGLang's.
         env[env_names.CPU_SAMPLING] = cpu_sampling.CDF

@@ -56,7 +56,7 @@ PRELOAD = ("torch", "transformers", "sglang", "sglang.srt.plugins", "sglang.srt.
 # per rank, the plugin's settings, and pytest's name of the running test.
 READ_LATER = frozenset({"OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST", env_names.POLICY,
                         env_names.POLICY_TRACE, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_LAYERS,
-                        env_names.CPU_SAMPLING, env_names.DP_PLACEMENT, env_names.CORE_LENDING,
+                        env_names.CPU_DECODE, env_names.CPU_SAMPLING, env_names.DP_PLACEMENT, env_names.CORE_LENDING,
                         env_names.STEP_TRACE})
 OFF = "off"  # $SGLTTS_RUNTIME_ZYGOTE=off: every runtime started the usual way
 

@@ -1,0 +1,194 @@
+"""A Llama decode step on the CPU as one loop over the compiled kernels, without SGLang's layer code between them.
+
+SGLang 0.5.23 runs a decode step through its general layer machinery: per decoder layer a stage boundary prepares
+the input and finishes the output (residual bookkeeping, LoRA and transport hooks, quantization reads), the
+attention goes through RadixAttention and the backend's dispatch, every projection through LinearBase and its
+quantization method, each a module call. With the CPU kernels in place (packed linear layers, compiled norms and
+rotary, paged attention) the arithmetic of one SmolLM2-135M step at one row is ~22 ms on two threads of a 2-core
+Xeon (AMX), while the step took ~55 ms: the rest was Python between the kernels. This hook computes the same step
+with the same kernels in the order SGLang calls them:
+
+    h = E[ids];  r = h
+    for each layer:   x = norm_in(h) at the first layer, else (x, r) = norm_in(h + r) with r = h + r
+                      (the residual r is what a capture at the layer's entry records)
+                      q | k | v = x Wqkv^T;   (q, k) = rope(positions, q, k);   KV[out_cache_loc] = (k, v)
+                      h = attention(q, the sequence's KV) Wo^T
+                      (x, r) = norm_post(h + r);   g | u = x Wgu^T;   h = (silu(g) * u) Wdown^T
+    return norm_final(h + r)
+
+Each kernel sees what it saw under SGLang's code (the same inputs, strides aside), so the hidden states agree
+with SGLang's to the last bit but for the order inside a kernel that takes a different stride.
+
+The plugin (`policies/plugin.py`) installs it with $SGLTTS_CPU_DECODE=lean where the kernels it calls are
+installed too (packed linear layers, fused norms and rotary, paged attention; `sgl_tts/runtime/server.py` sets
+all four on every CPU runtime, `env: {SGLTTS_CPU_DECODE: sglang}` keeps SGLang's layer code). It takes a plain
+decode batch of a plain Llama (`LlamaModel` of `LlamaDecoderLayer`s, one tensor-parallel rank, one pipeline stage,
+unquantized fp32 weights, no LoRA, no auxiliary captures, no sliding window); extend batches and anything else go
+to SGLang's forward. A layer whose forward another hook wrapped is taken only when that hook also left the
+capture it needs (`CAPTURE`, a callable(residual, forward_batch); policies/probe_readout.py leaves one), else the
+whole step goes to SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+TARGET = "sglang.srt.models.llama.LlamaModel.forward"
+LEAN = "lean"  # the value of $SGLTTS_CPU_DECODE that installs it
+CAPTURE = "_sgltts_residual_capture"  # a decoder layer's attribute: called with the residual at the layer's entry
+_PLAN = "_sgltts_lean_plan"  # model attribute: the layers' parts, or the reason the model is not taken
+
+
+def _reason_not_plain(model: Any) -> str | None:
+    """Why the lean step cannot compute `model` (an SGLang LlamaModel), or None when it can."""
+    import torch
+
+    from policies.cpu_layers import layer_kernels, plain_rotary
+    from policies.cpu_linear import applies
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
+
+    if type(model) is not LlamaModel:
+        return f"a {type(model).__name__}, not a LlamaModel"
+    if model.pp_group.world_size != 1:
+        return "pipeline parallel"
+    if layer_kernels() is None:
+        return "the layer kernels are not built"
+    for layer in model.layers:
+        if type(layer) is not LlamaDecoderLayer:
+            return f"a {type(layer).__name__} layer"
+        attention, mlp = layer.self_attn, layer.mlp
+        if attention.num_heads != attention.total_num_heads:
+            return "tensor parallel"
+        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if (type(linear.quant_method) is not UnquantizedLinearMethod or linear.skip_bias_add
+                    or hasattr(linear, "set_lora") or getattr(linear, "use_intel_amx_backend", False)
+                    or not applies(torch.empty(1, 1), linear.weight)):
+                return f"{linear.prefix if hasattr(linear, 'prefix') else 'a linear layer'} is not a plain fp32 layer"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if (type(norm) is not RMSNorm or norm.variance_size_override is not None
+                    or norm.weight.dtype != torch.float32):
+                return "a norm that is not a plain fp32 RMSNorm"
+        if not plain_rotary(attention.rotary_emb):
+            return f"a {type(attention.rotary_emb).__name__} rotary embedding"
+        attn = attention.attn
+        if (attn.is_cross_attention or attn.qk_head_dim != attn.v_head_dim
+                or (attn.sliding_window_size is not None and attn.sliding_window_size > -1)):
+            return "an attention that is not plain causal self-attention"
+    if type(model.norm) is not RMSNorm or model.norm.weight.dtype != torch.float32:
+        return "a final norm that is not a plain fp32 RMSNorm"
+    return None
+
+
+def plan(model: Any) -> str | None:
+    """`_reason_not_plain(model)`, found once per model."""
+    if not hasattr(model, _PLAN):
+        setattr(model, _PLAN, _reason_not_plain(model))
+    return getattr(model, _PLAN)
+
+
+def captures(model: Any) -> list[Callable[..., Any] | None] | None:
+    """Each layer's capture (None where it has none), or None when a layer's forward is wrapped without one."""
+    found = []
+    for layer in model.layers:
+        capture = getattr(layer, CAPTURE, None)
+        if capture is None and "forward" in vars(layer):
+            return None
+        found.append(capture)
+    return found
+
+
+def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_proxy_tensors: Any) -> bool:
+    """Whether this call is a plain decode batch of a model the lean step computes, on the paged kernel."""
+    from policies.cpu_attention import kernel_takes
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    if (not forward_batch.forward_mode.is_decode() or input_embeds is not None or pp_proxy_tensors is not None
+            or model.layers_to_capture or input_ids.device.type != "cpu" or plan(model) is not None):
+        return False
+    backend = get_attn_backend()
+    if type(backend) is not TorchNativeAttnBackend or forward_batch.encoder_lens is not None:
+        return False
+    pool, attn = backend.token_to_kv_pool, model.layers[0].self_attn.attn
+    query = input_ids.new_empty((0, attn.tp_q_head_num, attn.qk_head_dim), dtype=model.norm.weight.dtype)
+    return kernel_takes(query, query, pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id),
+                        req_to_token=backend.req_to_token_pool.req_to_token)
+
+
+def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any, layer_captures: list[Any],
+                 bf16: bool) -> Any:
+    """The decode step of `model` (the module docstring's loop): the final norm's output [batch, hidden]."""
+    import torch
+
+    from policies.cpu_attention import paged_kernel
+    from policies.cpu_layers import layer_kernels
+    from policies.cpu_linear import dense_linear
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    kernels, attend = layer_kernels(), paged_kernel().paged_attention
+    backend = get_attn_backend()
+    pool, req_to_token = backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token
+    write_loc = KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc)
+    req_pool_indices, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+    one_token_each = torch.ones_like(seq_lens)
+    positions = positions.flatten().contiguous()
+
+    hidden = model.embed_tokens(input_ids)
+    residual = None
+    for layer, capture in zip(model.layers, layer_captures):
+        attention, mlp, attn = layer.self_attn, layer.mlp, layer.self_attn.attn
+        norm = layer.input_layernorm
+        if residual is None:
+            residual = hidden
+            x = kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        else:
+            x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+        if capture is not None:
+            capture(residual, forward_batch)
+        qkv = dense_linear(x, attention.qkv_proj, attention.qkv_proj.bias, bf16)
+        q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
+        rotary = attention.rotary_emb
+        q, k = kernels.rotary(positions, q, k, rotary.cos_sin_cache, rotary.head_size, bool(rotary.is_neox_style))
+        k = k.view(-1, attn.tp_k_head_num, attn.qk_head_dim)
+        pool.set_kv_buffer(attn, write_loc, k, v.reshape(-1, attn.tp_v_head_num, attn.v_head_dim))
+        q = q.view(-1, attn.tp_q_head_num, attn.qk_head_dim)
+        out = torch.empty_like(q)
+        attend(q, out, pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id), req_to_token,
+               req_pool_indices, seq_lens, one_token_each, float(attn.scaling))
+        hidden = dense_linear(out.view(len(q), -1), attention.o_proj, attention.o_proj.bias, bf16)
+        norm = layer.post_attention_layernorm
+        x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+        gate_up = dense_linear(x, mlp.gate_up_proj, mlp.gate_up_proj.bias, bf16)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = dense_linear(torch.nn.functional.silu(gate) * up, mlp.down_proj, mlp.down_proj.bias, bf16)
+    norm = model.norm
+    return kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
+
+
+def make_forward_hook(bf16: bool, announce: Callable[[str], None] = lambda line: None) -> Callable[..., Any]:
+    """An AROUND hook for `LlamaModel.forward`: `lean_forward` where `takes` says so (projections on bf16
+    weights with `bf16`, as the packed linear hook computes them), SGLang's forward elsewhere. `announce` hears
+    once per process that a step was taken, or why a model is not."""
+    told: set[str] = set()
+
+    def tell(line: str) -> None:
+        if line not in told:
+            told.add(line)
+            announce(line)
+
+    def forward(original: Callable[..., Any], model: Any, input_ids: Any, positions: Any, forward_batch: Any,
+                input_embeds: Any = None, pp_proxy_tensors: Any = None) -> Any:
+        layer_captures = None
+        if takes(model, input_ids, forward_batch, input_embeds, pp_proxy_tensors):
+            layer_captures = captures(model)
+        if layer_captures is None:
+            if plan(model) is not None:
+                tell(f"lean decode not taken: {plan(model)}")
+            return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        tell(f"lean decode took a step ({len(model.layers)} layers)")
+        return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16)
+
+    return forward

@@ -1,0 +1,93 @@
+"""The lean decode step (policies/lean_decode.py) against SGLang's own layer code on the same kernels: the same
+tokens, logprobs and probe margins from a batch of sequences of different lengths, and what it leaves to SGLang."""
+
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.models.llama")
+
+from policies import lean_decode  # noqa: E402
+
+PROMPTS = [[1, 2, 3], list(range(5, 40)), [7] * 60, list(range(100, 190))]  # one decode batch of four lengths
+
+
+def decode_all(url: str, prompt_ids: list[list[int]]) -> list[dict]:
+    """Greedy decodes of every prompt, sent together so that the runtime decodes them as one batch."""
+    from sgl_tts.runtime.server import http_json
+
+    def decode(ids):
+        return http_json(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(len(prompt_ids)) as pool:
+        return list(pool.map(decode, prompt_ids))
+
+
+def margins_of(url: str, ids: list[int]) -> list[float]:
+    """The probe margins of `ids`, most of them read from the KV slots their decode wrote."""
+    from policies.probe_readout import META_KEY
+    from sgl_tts.runtime.server import http_json
+
+    answer = http_json(url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    assert answer["meta_info"]["cached_tokens"] >= len(ids) - 2, "the decoded tokens' slots were cached"
+    return answer["meta_info"][META_KEY][0]
+
+
+@pytest.mark.runtime
+def test_the_lean_step_decodes_and_records_margins_as_sglangs_layers_do(tiny_runtime, tiny_probe_head, tmp_path):
+    """The shared tiny runtime decodes with the lean step (the CPU default); a second one with SGLang's layer code.
+    Both have the probe head, whose capture the lean step calls at the head's layer."""
+    from sgl_tts import env_names
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+
+    config = RuntimeConfig(model="tiny-random", max_total_tokens=4096,
+                           env={env_names.CPU_DECODE: "sglang", env_names.PROBE_HEAD: str(tiny_probe_head)})
+    with Runtime.start(config, name="tiny-sglang-decode", log_dir=tmp_path) as sglang_runtime:
+        expected = decode_all(sglang_runtime.url, PROMPTS)
+        expected_margins = [margins_of(sglang_runtime.url, ids + answer["output_ids"])
+                            for ids, answer in zip(PROMPTS, expected)]
+        assert "lean decode" not in sglang_runtime.log_path.read_text()
+    got = decode_all(tiny_runtime.url, PROMPTS)
+    assert "lean decode took a step (2 layers)" in tiny_runtime.log_path.read_text()
+    for ids, answer, reference, reference_margins in zip(PROMPTS, got, expected, expected_margins):
+        assert answer["output_ids"] == reference["output_ids"]
+        logprobs = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        reference_logprobs = torch.tensor([lp for lp, _, _ in reference["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(logprobs, reference_logprobs, rtol=0, atol=1e-5)
+        margins = margins_of(tiny_runtime.url, ids + answer["output_ids"])
+        torch.testing.assert_close(torch.tensor(margins), torch.tensor(reference_margins), rtol=0, atol=1e-5)
+
+
+def a_layer(**attributes):
+    return SimpleNamespace(**attributes)
+
+
+def test_a_layer_wrapped_without_a_capture_sends_the_step_to_sglang():
+    """A layer whose forward some hook replaced is computed by that forward: the lean step takes the model only
+    when every such layer left the capture the lean step calls instead."""
+    plain = a_layer()
+    recorded = []
+    captured = a_layer(forward=lambda *args: None)
+    setattr(captured, lean_decode.CAPTURE, lambda residual, batch: recorded.append(residual))
+    assert lean_decode.captures(SimpleNamespace(layers=[plain, captured])) == [None, getattr(captured,
+                                                                                             lean_decode.CAPTURE)]
+    wrapped = a_layer(forward=lambda *args: None)
+    assert lean_decode.captures(SimpleNamespace(layers=[plain, wrapped])) is None
+
+
+def test_a_model_that_is_not_a_plain_llama_is_named_and_left_to_sglang():
+    """Another model class, or a Llama whose pieces the kernels do not compute, goes to SGLang's forward, and the
+    reason is the one a runtime's log shows."""
+    assert lean_decode.plan(SimpleNamespace()) == "a SimpleNamespace, not a LlamaModel"
+    calls = []
+    hook = lean_decode.make_forward_hook(bf16=False, announce=calls.append)
+    model = SimpleNamespace(layers_to_capture=[])
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True))
+    out = hook(lambda *args: "sglang", model, torch.tensor([1]), torch.tensor([0]), batch)
+    assert out == "sglang"
+    assert calls == ["lean decode not taken: a SimpleNamespace, not a LlamaModel"]
+    hook(lambda *args: "sglang", model, torch.tensor([1]), torch.tensor([0]), batch)
+    assert len(calls) == 1, "said once per process"
