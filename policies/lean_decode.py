@@ -5,8 +5,8 @@ the input and finishes the output (residual bookkeeping, LoRA and transport hook
 attention goes through RadixAttention and the backend's dispatch, every projection through LinearBase and its
 quantization method, each a module call. With the CPU kernels in place (packed linear layers, compiled norms and
 rotary, paged attention) the arithmetic of one SmolLM2-135M step at one row is ~22 ms on two threads of a 2-core
-Xeon (AMX), while the step took ~55 ms: the rest was Python between the kernels. This hook computes the same step
-with the same kernels in the order SGLang calls them:
+Xeon (AMX), while SGLang's step took 37 ms: the rest was Python between the kernels. This hook computes the same
+step with the same kernels in the order SGLang calls them (28 ms; docs/runtime-speed.md):
 
     h = E[ids];  r = h
     for each layer:   x = norm_in(h) at the first layer, else (x, r) = norm_in(h + r) with r = h + r
@@ -16,8 +16,8 @@ with the same kernels in the order SGLang calls them:
                       (x, r) = norm_post(h + r);   g | u = x Wgu^T;   h = (silu(g) * u) Wdown^T
     return norm_final(h + r)
 
-Each kernel sees what it saw under SGLang's code (the same inputs, strides aside), so the hidden states agree
-with SGLang's to the last bit but for the order inside a kernel that takes a different stride.
+Each kernel gets the inputs it got under SGLang's code, so the hidden states are SGLang's (greedy decodes of
+SmolLM2-135M gave logprobs equal to the bit; tests/test_lean_decode.py compares tokens, logprobs and margins).
 
 The plugin (`policies/plugin.py`) installs it with $SGLTTS_CPU_DECODE=lean where the kernels it calls are
 installed too (packed linear layers, fused norms and rotary, paged attention; `sgl_tts/runtime/server.py` sets
