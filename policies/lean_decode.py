@@ -36,10 +36,10 @@ from typing import Any, Callable
 TARGET = "sglang.srt.models.llama.LlamaModel.forward"
 LEAN = "lean"  # the value of $SGLTTS_CPU_DECODE that installs it
 CAPTURE = "_sgltts_residual_capture"  # a decoder layer's attribute: called with the residual at the layer's entry
-_PLAN = "_sgltts_lean_plan"  # model attribute: the layers' parts, or the reason the model is not taken
+_REFUSAL = "_sgltts_lean_refusal"  # model attribute: why the lean step does not compute the model (None: it does)
 
 
-def _reason_not_plain(model: Any) -> str | None:
+def find_refusal(model: Any) -> str | None:
     """Why the lean step cannot compute `model` (an SGLang LlamaModel), or None when it can."""
     import torch
 
@@ -65,7 +65,7 @@ def _reason_not_plain(model: Any) -> str | None:
             if (type(linear.quant_method) is not UnquantizedLinearMethod or linear.skip_bias_add
                     or hasattr(linear, "set_lora") or getattr(linear, "use_intel_amx_backend", False)
                     or not applies(torch.empty(1, 1), linear.weight)):
-                return f"{linear.prefix if hasattr(linear, 'prefix') else 'a linear layer'} is not a plain fp32 layer"
+                return f"a {type(linear).__name__} that is not a plain fp32 linear layer"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if (type(norm) is not RMSNorm or norm.variance_size_override is not None
                     or norm.weight.dtype != torch.float32):
@@ -81,11 +81,11 @@ def _reason_not_plain(model: Any) -> str | None:
     return None
 
 
-def plan(model: Any) -> str | None:
-    """`_reason_not_plain(model)`, found once per model."""
-    if not hasattr(model, _PLAN):
-        setattr(model, _PLAN, _reason_not_plain(model))
-    return getattr(model, _PLAN)
+def refusal(model: Any) -> str | None:
+    """`find_refusal(model)`, found once per model."""
+    if not hasattr(model, _REFUSAL):
+        setattr(model, _REFUSAL, find_refusal(model))
+    return getattr(model, _REFUSAL)
 
 
 def captures(model: Any) -> list[Callable[..., Any] | None] | None:
@@ -106,7 +106,7 @@ def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
     if (not forward_batch.forward_mode.is_decode() or input_embeds is not None or pp_proxy_tensors is not None
-            or model.layers_to_capture or input_ids.device.type != "cpu" or plan(model) is not None):
+            or model.layers_to_capture or input_ids.device.type != "cpu" or refusal(model) is not None):
         return False
     backend = get_attn_backend()
     if type(backend) is not TorchNativeAttnBackend or forward_batch.encoder_lens is not None:
@@ -185,8 +185,8 @@ def make_forward_hook(bf16: bool, announce: Callable[[str], None] = lambda line:
         if takes(model, input_ids, forward_batch, input_embeds, pp_proxy_tensors):
             layer_captures = captures(model)
         if layer_captures is None:
-            if plan(model) is not None:
-                tell(f"lean decode not taken: {plan(model)}")
+            if refusal(model) is not None:
+                tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         tell(f"lean decode took a step ({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16)

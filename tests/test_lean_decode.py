@@ -81,7 +81,7 @@ def test_a_layer_wrapped_without_a_capture_sends_the_step_to_sglang():
 def test_a_model_that_is_not_a_plain_llama_is_named_and_left_to_sglang():
     """Another model class, or a Llama whose pieces the kernels do not compute, goes to SGLang's forward, and the
     reason is the one a runtime's log shows."""
-    assert lean_decode.plan(SimpleNamespace()) == "a SimpleNamespace, not a LlamaModel"
+    assert lean_decode.refusal(SimpleNamespace()) == "a SimpleNamespace, not a LlamaModel"
     calls = []
     hook = lean_decode.make_forward_hook(bf16=False, announce=calls.append)
     model = SimpleNamespace(layers_to_capture=[])
