@@ -190,7 +190,13 @@ def test_every_program_stops_at_its_limits(backend, program, limits):
 def test_answer_that_never_appears_is_a_clean_no_answer(backend, program):
     runtimes, _ = backend.runtimes(NEVER_ANSWERS)
     result = solve(program, backend.config(program, max_steps=3, max_tokens=60), runtimes)
-    assert result.answer is None and result.error is None
+    assert result.error is None
+    if backend.real and any(c.answer is not None for c in result.candidates):
+        # the tiny random model sampled an answer phrase by chance (once in CI, best_of_n: "homemade choir"; its
+        # sampling is not seeded on the CPU): the answer is then one of the paths'
+        assert result.answer in {c.answer for c in result.candidates}
+        return
+    assert result.answer is None
     assert all(c.answer is None for c in result.candidates)
 
 
