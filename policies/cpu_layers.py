@@ -49,17 +49,22 @@ def _fp32_rows(*tensors: Any) -> bool:
 def norm_hook(original: Callable[..., Any], norm: Any, x: Any, residual: Any = None,
               post_residual_addition: Any = None, quant_linear: Any = None) -> Any:
     """An AROUND hook for `RMSNorm.forward_native`: the compiled RMSNorm for fp32 rows over the whole hidden size."""
-    import torch
-
     weight = norm.weight
-    if (post_residual_addition is None and quant_linear is None and norm.variance_size_override is None
-            and norm.override_orig_dtype in (None, torch.float32) and weight.dtype == torch.float32
-            and weight.is_contiguous() and _fp32_rows(x) and (residual is None or _fp32_rows(residual))
-            and layer_kernels() is not None):
+    if (post_residual_addition is None and quant_linear is None and plain_norm(norm) and _fp32_rows(x)
+            and (residual is None or _fp32_rows(residual)) and layer_kernels() is not None):
         if residual is None:
             return layer_kernels().rms_norm(x, weight, norm.variance_epsilon)
         return tuple(layer_kernels().add_rms_norm(x, residual, weight, norm.variance_epsilon))  # (normed, x + residual)
     return original(norm, x, residual, post_residual_addition, quant_linear)
+
+
+def plain_norm(norm: Any) -> bool:
+    """Whether `norm` (an SGLang RMSNorm) normalises over the whole hidden size with a contiguous fp32 weight, in
+    fp32: what the compiled RMSNorm computes."""
+    import torch
+
+    return (norm.variance_size_override is None and norm.override_orig_dtype in (None, torch.float32)
+            and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous())
 
 
 def rotary_hook(original: Callable[..., Any], rotary: Any, positions: Any, query: Any, key: Any, offsets: Any = None,

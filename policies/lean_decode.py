@@ -43,7 +43,7 @@ def find_refusal(model: Any) -> str | None:
     """Why the lean step cannot compute `model` (an SGLang LlamaModel), or None when it can."""
     import torch
 
-    from policies.cpu_layers import layer_kernels, plain_rotary
+    from policies.cpu_layers import layer_kernels, plain_norm, plain_rotary
     from policies.cpu_linear import applies
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -67,8 +67,7 @@ def find_refusal(model: Any) -> str | None:
                     or not applies(torch.empty(1, 1), linear.weight)):
                 return f"a {type(linear).__name__} that is not a plain fp32 linear layer"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if (type(norm) is not RMSNorm or norm.variance_size_override is not None
-                    or norm.weight.dtype != torch.float32):
+            if type(norm) is not RMSNorm or not plain_norm(norm):
                 return "a norm that is not a plain fp32 RMSNorm"
         if not plain_rotary(attention.rotary_emb):
             return f"a {type(attention.rotary_emb).__name__} rotary embedding"
@@ -76,7 +75,7 @@ def find_refusal(model: Any) -> str | None:
         if (attn.is_cross_attention or attn.qk_head_dim != attn.v_head_dim
                 or (attn.sliding_window_size is not None and attn.sliding_window_size > -1)):
             return "an attention that is not plain causal self-attention"
-    if type(model.norm) is not RMSNorm or model.norm.weight.dtype != torch.float32:
+    if type(model.norm) is not RMSNorm or not plain_norm(model.norm):
         return "a final norm that is not a plain fp32 RMSNorm"
     return None
 
