@@ -13,13 +13,15 @@ the algorithm's sgl-tts reference system at the same n on the same problems (`ev
 problem (median [min-max], and the mean the frontier uses), tokens and requests per problem by runtime, the
 request pattern, and the time ratio at matched accuracy: the least mean time any sgl-tts system of the algorithm
 needs for at least this accuracy, over this system's time (`measure.frontier.cost_to_reach`; < 1: sgl-tts is
-faster there). Two plots: accuracy against mean wall time and against processed tokens per problem, one curve per
-system over its n values, each system's Pareto frontier points filled (`measure.frontier.pareto_front`).
+faster there), with its bootstrap interval over the problems (`measure.frontier.reach_ratio_interval`). Two
+plots: accuracy against mean wall time and against processed tokens per problem, one curve per system over its n
+values, each system's Pareto frontier points filled (`measure.frontier.pareto_front`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -30,12 +32,14 @@ from typing import Any
 from eval.budget import Outcome, accuracy, compare_paired
 from eval.results import ResultStore, provenance
 from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_settings, measure_problem, systems_named
-from sgl_tts.measure.frontier import cost_to_reach, pareto_front
+from sgl_tts.measure.frontier import cost_to_reach, pareto_front, reach_ratio_interval
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
 from sgl_tts.paths import write_atomic
 
 RESULTS = "peers.jsonl"
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
 WARM_UP_QUESTION = "What is 2 + 3?"
 
 
@@ -166,12 +170,39 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     prm = lambda key: lambda r: (r.get("prm") or {}).get(key, 0.0)  # noqa: E731
     return {
         **accuracy(outcomes.values()), "outcomes": outcomes,
+        "per_problem": {r["problem_id"]: (r["wall_s"], bool(r["correct"])) for r in rows},
         "wall_s": [r["wall_s"] for r in rows], "mean_wall_s": _mean(rows, lambda r: r["wall_s"]),
         "processed_tokens": _mean(rows, processed_tokens),
         "generator": {key: _mean(rows, lambda r: r["generator"][key]) for key in rows[0]["generator"]},
         "prm": {key: _mean(rows, prm(key)) for key in ("prompt_tokens", "cached_tokens", "requests")},
         "client_requests": {key: _mean(rows, lambda r: r["client_requests"][key]) for key in ("generator", "prm")},
     }
+
+
+def time_ratio_interval(ours: list[dict[str, Any]], cell: dict[str, Any]) -> dict[str, Any] | None:
+    """The time ratio at matched accuracy with its 95% bootstrap interval over the problems that `cell` and every
+    sgl-tts cell of its algorithm ran (`measure.frontier.reach_ratio_interval`), or None when there are none."""
+    problems = sorted(set(cell["per_problem"]).intersection(*(c["per_problem"] for c in ours))) if ours else []
+    if not problems:
+        return None
+
+    def columns(c: dict[str, Any]) -> tuple[list[float], list[bool]]:
+        return [c["per_problem"][p][0] for p in problems], [c["per_problem"][p][1] for p in problems]
+
+    low, high, reached = reach_ratio_interval([columns(c) for c in ours], columns(cell), BOOTSTRAP_RESAMPLES,
+                                              BOOTSTRAP_SEED)
+    return {"low": low, "high": high, "reached": reached, "problems": len(problems)}
+
+
+def ratio_text(ratio: float | None, interval: dict[str, Any] | None) -> str:
+    """'0.85x [0.71-1.02]'; an end where sgl-tts did not reach the accuracy reads 'unreached'."""
+    if ratio is None and interval is None:
+        return "-"
+    text = "unreached" if ratio is None else f"{ratio:.2f}x"
+    if interval is not None:
+        ends = ["unreached" if math.isinf(v) else f"{v:.2f}" for v in (interval["low"], interval["high"])]
+        text += f" [{ends[0]}-{ends[1]}]"
+    return text
 
 
 def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -195,17 +226,18 @@ def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if reference is not None and reference is not cell:
             cell["vs_reference"] = {"system": reference["system"],
                                     **compare_paired(reference["outcomes"], cell["outcomes"])}
-        ours = [(c["mean_wall_s"], c["accuracy"]) for c in cells
-                if c["family"] == "sgl-tts" and c["algorithm"] == cell["algorithm"]]
-        reach = cost_to_reach(ours, cell["accuracy"])
+        ours = [c for c in cells if c["family"] == "sgl-tts" and c["algorithm"] == cell["algorithm"]]
+        reach = cost_to_reach([(c["mean_wall_s"], c["accuracy"]) for c in ours], cell["accuracy"])
         cell["sgl_tts_time_ratio"] = reach / cell["mean_wall_s"] if reach is not None and cell["mean_wall_s"] else None
+        cell["sgl_tts_time_ratio_interval"] = time_ratio_interval(ours, cell)
     order = {a: i for i, a in enumerate(ALGORITHMS)}
     return sorted(cells, key=lambda c: order.get(c["algorithm"], len(order)))
 
 
 COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts ref: Δ pt [95% CI], p",
-           "wall s/problem median [min-max]", "mean s", "x sgl-tts at ≥ acc", "processed tok", "gen generated",
-           "gen prompt/cached", "PRM prompt/cached", "requests gen server/client", "requests PRM server/client")
+           "wall s/problem median [min-max]", "mean s", "x sgl-tts at ≥ acc [95% CI]", "processed tok",
+           "gen generated", "gen prompt/cached", "PRM prompt/cached", "requests gen server/client",
+           "requests PRM server/client")
 
 
 def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
@@ -222,11 +254,11 @@ def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
             compared = (f"{100 * versus['difference']:+.1f} [{100 * d_low:+.1f}, {100 * d_high:+.1f}], "
                         f"p={versus['p_value']:.3g}")
         g, p, r = c["generator"], c["prm"], c["client_requests"]
-        ratio = c["sgl_tts_time_ratio"]
         rows.append([c["algorithm"], c["system"], str(c["n"]),
                      f"{100 * c['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] ({c['solved']}/{c['trials']})",
                      compared, median_range(c["wall_s"], ".2f"), f"{c['mean_wall_s']:.2f}",
-                     "-" if ratio is None else f"{ratio:.2f}x", f"{c['processed_tokens']:.0f}",
+                     ratio_text(c["sgl_tts_time_ratio"], c.get("sgl_tts_time_ratio_interval")),
+                     f"{c['processed_tokens']:.0f}",
                      f"{g['generated_tokens']:.0f}", f"{g['prompt_tokens']:.0f}/{g['cached_tokens']:.0f}",
                      f"{p['prompt_tokens']:.0f}/{p['cached_tokens']:.0f}", f"{g['requests']:.1f}/{r['generator']:.1f}",
                      f"{p['requests']:.1f}/{r['prm']:.1f}"])
@@ -246,7 +278,9 @@ def report_markdown(cells: list[dict[str, Any]], header: dict[str, Any] | None) 
         "(server) and the clients' own counts (client). Accuracy with its 95% Wilson interval; Δ and McNemar's "
         "exact p against the algorithm's sgl-tts reference at the same n, paired on the problems. 'x sgl-tts at ≥ "
         "acc': the least mean time of a sgl-tts system of the algorithm reaching at least this accuracy, over this "
-        "one's. " + machine, "", markdown_table(COLUMNS, table_rows(cells)), "", "Request patterns:", *patterns(cells)])
+        "one's, with its 95% bootstrap interval over the problems all of them ran ('unreached': beyond that end "
+        "no sgl-tts system reached this accuracy). " + machine, "", markdown_table(COLUMNS, table_rows(cells)), "",
+        "Request patterns:", *patterns(cells)])
 
 
 def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:

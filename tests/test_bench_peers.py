@@ -13,6 +13,7 @@ import re
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from sgl_tts.app.session import RunConfig, Session
@@ -20,7 +21,7 @@ from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
                                  measure_problem, optillm_solver, sgl_tts_solver, step_generation, vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
-from sgl_tts.measure.frontier import cost_to_reach, pareto_front
+from sgl_tts.measure.frontier import cost_to_reach, pareto_front, reach_ratio_interval
 from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
 from sgl_tts.problems import Problem
 from sgl_tts.scoring.base import aggregate
@@ -343,6 +344,44 @@ def test_the_pareto_frontier_and_the_cost_to_reach_match_brute_force():
             assert cost_to_reach(points, wanted) == (min(reach) if reach else None)
 
 
+def brute_ratio_interval(ours, peer, resamples, seed):
+    """The same resamples drawn one by one: each point's mean cost and accuracy over the drawn problems, then
+    cost_to_reach over them, over the peer's mean cost; the 2.5% and 97.5% order statistics (inverted CDF)."""
+    problems = len(peer[0])
+    draws = np.random.default_rng(seed).integers(0, problems, size=(resamples, problems))
+    ratios, reached = [], 0
+    for draw in draws:
+        mean = lambda values: sum(values[i] for i in draw) / problems  # noqa: E731
+        points = [(mean(costs), mean([float(c) for c in correct])) for costs, correct in ours]
+        wanted = mean([float(c) for c in peer[1]])
+        reach = cost_to_reach(points, wanted - 1e-12)
+        reached += reach is not None
+        ratios.append(float("inf") if reach is None else reach / mean(peer[0]))
+    ratios.sort()
+    at = lambda q: ratios[max(0, int(np.ceil(q * resamples)) - 1)]  # noqa: E731
+    return at(0.025), at(0.975), reached / resamples
+
+
+def test_the_time_ratio_interval_matches_resampling_by_hand():
+    rng = random.Random(5)
+    for _ in range(20):
+        problems = rng.randint(1, 12)
+        point = lambda: ([rng.uniform(1, 9) for _ in range(problems)],  # noqa: E731
+                         [rng.random() < 0.4 for _ in range(problems)])
+        ours, peer = [point() for _ in range(rng.randint(1, 3))], point()
+        low, high, reached = reach_ratio_interval(ours, peer, resamples=300, seed=7)
+        b_low, b_high, b_reached = brute_ratio_interval(ours, peer, 300, 7)
+        assert (low, high, reached) == pytest.approx((b_low, b_high, b_reached)), (ours, peer)
+    # sgl-tts at half the time on every problem, always as accurate: the ratio is 0.5 in every resample
+    costs = [2.0, 4.0, 6.0]
+    assert reach_ratio_interval([([c / 2 for c in costs], [True, False, True])], (costs, [True, False, True]),
+                                resamples=200) == (0.5, 0.5, 1.0)
+    low, high, reached = reach_ratio_interval([(costs, [False] * 3)], (costs, [True, False, False]), resamples=200)
+    assert high == float("inf") and reached < 1.0, "never right: reached only where the peer's draw missed too"
+    with pytest.raises(ValueError, match="same 3 problem"):
+        reach_ratio_interval([([1.0, 2.0], [True, False])], (costs, [True] * 3))
+
+
 def record(system, n, problem, correct, wall, generated=10):
     spec = next(s for s in SYSTEMS if s.name == system)
     return {"system": system, "family": spec.family, "algorithm": spec.algorithm, "pattern": spec.pattern, "n": n,
@@ -365,8 +404,12 @@ def test_the_summary_pairs_with_the_reference_and_states_the_time_ratio(tmp_path
     assert peer["vs_reference"]["p_value"] == mcnemar_exact(ours, theirs).p_value
     assert peer["mean_wall_s"] == pytest.approx(8.5) and peer["processed_tokens"] == 40
     assert peer["sgl_tts_time_ratio"] == pytest.approx(2.0 / 8.5), "sgl-tts reaches 5/8 >= 3/8 in 2 s"
+    interval = peer["sgl_tts_time_ratio_interval"]
+    assert interval["problems"] == 8 and interval["low"] <= 2.0 / 8.5 <= interval["high"]
+    assert interval["high"] == float("inf") and 0.5 < interval["reached"] < 1, "some draws give sgl-tts fewer"
     text = report_markdown(cells, None)
     assert "its-hub SelfConsistency | 4 | 37.5% [" in text and "n concurrent requests" in text
+    assert re.search(r"\| 0\.24x \[0\.\d\d-unreached\] \|", text), "the ratio with its interval"
     assert [p.name for p in plot_frontiers(cells, tmp_path)] == ["peers-time.png", "peers-tokens.png"]
 
     systems = SYSTEMS[:3]

@@ -6,11 +6,19 @@ higher accuracy than every cheaper one. Of equal points the first is kept.
 
 `cost_to_reach(points, a)` = min { cost_q : accuracy_q ≥ a }, the cheapest point at least as accurate as a (None:
 none is), so `cost_to_reach(ours, accuracy_peer) / cost_peer` is our cost at the peer's accuracy, as a ratio.
+
+`reach_ratio_interval` puts a range on that ratio. Every point is a mean over the same problems (cost c_ij and
+correct y_ij of point j on problem i), so a resample draws the problems with replacement, once for all points:
+each point's mean cost and accuracy over the drawn problems give a ratio r* = cost_to_reach(ours*, acc_peer*) /
+cost_peer*, +inf where no point of ours reaches the peer's accuracy. The interval is the percentile interval of
+r* (the inverted-CDF quantiles, so an end among the unreached resamples is +inf, not an interpolation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 Point = tuple[float, float]  # (cost, accuracy)
 
@@ -29,3 +37,27 @@ def cost_to_reach(points: Sequence[Point], accuracy: float) -> float | None:
     """The lowest cost among `points` with an accuracy of at least `accuracy`; None when none reaches it."""
     costs = [cost for cost, reached in points if reached >= accuracy]
     return min(costs) if costs else None
+
+
+def reach_ratio_interval(ours: Sequence[tuple[Sequence[float], Sequence[bool]]],
+                         peer: tuple[Sequence[float], Sequence[bool]], resamples: int = 2000, seed: int = 0,
+                         confidence: float = 0.95) -> tuple[float, float, float]:
+    """The percentile bootstrap interval of cost_to_reach(ours, accuracy(peer)) / cost(peer) over problems:
+    (low, high, share of resamples in which some point of ours reached the peer's accuracy). `ours` and `peer`
+    give each point's (cost, correct) per problem, every point over the same problems in the same order; an end
+    is +inf where the resamples beyond it did not reach. Seeded: the same inputs give the same interval."""
+    costs = np.asarray([point[0] for point in ours], dtype=float).reshape(len(ours), -1)
+    correct = np.asarray([point[1] for point in ours], dtype=float).reshape(len(ours), -1)
+    peer_cost, peer_correct = np.asarray(peer[0], dtype=float), np.asarray(peer[1], dtype=float)
+    problems = len(peer_cost)
+    if problems == 0 or not len(ours) or costs.shape[1] != problems or len(peer_correct) != problems:
+        raise ValueError(f"ours, peer: expected every point over the same {problems} problem(s), at least one each, "
+                         f"got points of {sorted({row.shape[0] for row in costs})} and {len(peer_correct)}")
+    draws = np.random.default_rng(seed).integers(0, problems, size=(resamples, problems))
+    our_cost, our_accuracy = costs[:, draws].mean(axis=2), correct[:, draws].mean(axis=2)  # (points, resamples)
+    wanted = peer_correct[draws].mean(axis=1)
+    reached = our_accuracy >= wanted - 1e-12
+    best = np.where(reached, our_cost, np.inf).min(axis=0)
+    ratios = best / peer_cost[draws].mean(axis=1)
+    low, high = np.quantile(ratios, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
+    return float(low), float(high), float(reached.any(axis=0).mean())
