@@ -8,6 +8,7 @@ step is known in advance.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 import random
@@ -28,7 +29,8 @@ from sgl_tts.search.api import ReasoningPath, Runtimes, SearchConfig, SearchErro
 from sgl_tts.search.context import SearchContext
 from sgl_tts.search.selection import select
 from sgl_tts.frontend.backend import GeneratorError
-from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
+from sgl_tts.frontend.sglang_internals import running_program_states
+from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer, wait_until
 
 PROMPT = "Q: what is two plus two?\n\n"
 PROBLEM = Problem(id="p1", question="what is two plus two?", gold="4")
@@ -252,6 +254,29 @@ def reference_dvts(model: ScriptedModel, config: SearchConfig, scorer: ScriptedS
             best = min((tree.child(best.steps) for _ in range(width)), key=tree.rank)
         paths.append(best)
     return paths
+
+
+@pytest.mark.parametrize("program", PROGRAMS + ["deepconf"])
+@pytest.mark.parametrize("context", ["own", "given", "stopping"])
+def test_no_program_state_outlives_its_search(program, context):
+    """Each path holds its SGLang program state, whose worker thread runs until the state is freed, and those
+    threads hold the program's arguments (the search context, run_search's `finished` list): paths kept there
+    would keep a thread per fork running for good (in `serve`, every search would add its forks' threads).
+    With the search's own context, one given as `serve` gives it (kept by the caller), and one a stopping rule
+    makes, every state of the finished searches ends."""
+    from sgl_tts.search.stopping import Stopping
+
+    runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel()), scorer=ScriptedScorer(),
+                        prompt=lambda question: PROMPT)
+    config = SearchConfig(program=program, n=4, beam_width=2, max_steps=3, max_step_tokens=64, max_tokens=10_000,
+                          stopping=Stopping(rule="settled") if context == "stopping" else Stopping())
+    kept = []
+    for _ in range(2):
+        given = runtimes.new_search(config, PROBLEM.id) if context == "given" else None
+        kept.append(given)
+        assert load_program(program)(PROBLEM, config, runtimes, given).candidates
+    gc.collect()  # a freed state ends its thread once the request it was sending has returned (a stopped one's)
+    wait_until(lambda: not running_program_states([runtimes.generator]), timeout=30.0)
 
 
 @pytest.mark.parametrize("n,width,max_steps", [(8, 2, 6), (6, 3, 4), (4, 1, 5), (8, 4, 3)])

@@ -169,6 +169,18 @@ def has_worker(executor: Any) -> bool:
     return getattr(executor, "use_thread", False)
 
 
+def running_program_states(backends: Iterable[Any] | None = None) -> list[Any]:
+    """The executors of the program states (and forks) on `backends` (or all) whose worker thread runs."""
+    if "sglang.lang.interpreter" not in sys.modules:  # no program state was ever made in this process
+        return []
+    from sglang.lang.interpreter import StreamExecutor
+
+    wanted = None if backends is None else [b for b in backends]
+    return [obj for obj in gc.get_objects()
+            if type(obj) is StreamExecutor and has_worker(obj) and obj.worker.is_alive()  # type(): no __class__
+            and (wanted is None or any(obj.backend is b for b in wanted))]
+
+
 def end_program_states(backends: Iterable[Any] | None = None) -> int:
     """End the worker thread of every program state still alive (on `backends`, or all); returns how many.
 
@@ -176,21 +188,11 @@ def end_program_states(backends: Iterable[Any] | None = None) -> int:
     A state kept alive by a reference cycle would leak its thread, and at interpreter exit make the exit wait
     forever.
     """
-    if "sglang.lang.interpreter" not in sys.modules:  # no program state was ever made in this process
-        return 0
-    from sglang.lang.interpreter import StreamExecutor
-
-    wanted = None if backends is None else [b for b in backends]
-    ended = 0
-    for obj in gc.get_objects():
-        if type(obj) is not StreamExecutor or not has_worker(obj) or not obj.worker.is_alive():  # type(): no __class__
-            continue
-        if wanted is not None and not any(obj.backend is b for b in wanted):
-            continue
-        obj.end()
-        obj.worker.join(timeout=5.0)
-        ended += 1
-    return ended
+    running = running_program_states(backends)
+    for executor in running:
+        executor.end()
+        executor.worker.join(timeout=5.0)
+    return len(running)
 
 
 def end_without_asking_the_thread(executor: Any) -> None:

@@ -519,16 +519,21 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
     prompt = runtimes.prompt(problem.question)
     finished: list[ReasoningPath] = []
     try:
-        with tracker.running():
-            state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker,
-                                finished=finished, backend=runtimes.generator, **arguments)
-    except RUNTIME_FAILURES as exc:
-        raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
-    except SearchStopped as stop:
-        return stopped_result(problem.id, name, config, tracker, stop.reason, finished)
-    finally:
-        tracker.close()
-    return build_result(problem.id, name, state.ret_value, config, tracker)
+        try:
+            with tracker.running():
+                state = program.run(prompt=prompt, config=config, runtimes=runtimes, tracker=tracker,
+                                    finished=finished, backend=runtimes.generator, **arguments)
+        except RUNTIME_FAILURES as exc:
+            raise search_failed(problem.id, name, finished, config, tracker, exc) from exc
+        except SearchStopped as stop:
+            return stopped_result(problem.id, name, config, tracker, stop.reason, finished)
+        finally:
+            tracker.close()
+        return build_result(problem.id, name, state.ret_value, config, tracker)
+    finally:  # the program's arguments outlive the search in its states' threads: they must not hold its paths
+        finished.clear()
+        if context is None:
+            tracker.release_paths()
 
 
 def run_plain_program(function: Any, problem: Any, name: str, config: SearchConfig, runtimes: Runtimes,

@@ -326,6 +326,14 @@ class SearchContext:
         if self._timer is not None:
             self._timer.cancel()
 
+    def release_paths(self) -> None:
+        """The search's result is built: let go of its paths. Each path holds its SGLang program state, whose
+        worker thread ends only when the state is freed, and the program's arguments (this context among them)
+        are held by those threads: paths kept here would keep their threads running for good."""
+        with self._changed:
+            self.finished_paths.clear()
+            self.frontier.clear()
+
     # -- timing and counts --------------------------------------------------------------------------------
 
     def elapsed(self) -> float:

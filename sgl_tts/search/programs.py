@@ -125,13 +125,16 @@ def _run_in_search(run: Callable[..., Any], name: str, problem: object, config: 
     if context is None:
         context = runtimes.new_search(config, problem.id)
     try:
-        with context.running():
-            result = run(problem, config, runtimes, context, **arguments)
-    except SearchStopped as stop:
-        result = stopped_result(problem.id, name, config, context, stop.reason)
+        try:
+            with context.running():
+                result = run(problem, config, runtimes, context, **arguments)
+        except SearchStopped as stop:
+            result = stopped_result(problem.id, name, config, context, stop.reason)
+        finally:
+            context.close()
+        return accounted(result, context, name)
     finally:
-        context.close()
-    return accounted(result, context, name)
+        context.release_paths()
 
 
 def accounted(result: Any, context: Any, name: str) -> Any:
