@@ -9,13 +9,14 @@ fsync'ed lines); a run started again skips the (system, n, problem) lines it hol
 
 The report, from the lines alone (`peers_summary`, `report_markdown`, `plot_frontiers`): per algorithm × system
 × n, the accuracy with its 95% Wilson interval, McNemar's exact p (and the paired-bootstrap difference) against
-the algorithm's sgl-tts reference system at the same n on the same problems (`eval.budget`), the wall time per
-problem (median [min-max], and the mean the frontier uses), tokens and requests per problem by runtime, the
-request pattern, and the time ratio at matched accuracy: the least mean time any sgl-tts system of the algorithm
-needs for at least this accuracy, over this system's time (`measure.frontier.cost_to_reach`; < 1: sgl-tts is
-faster there), with its bootstrap interval over the problems (`measure.frontier.reach_ratio_interval`). Two
-plots: accuracy against mean wall time and against processed tokens per problem, one curve per system over its n
-values, each system's Pareto frontier points filled (`measure.frontier.pareto_front`).
+the system's sgl-tts counterpart (particle filtering's: DVTS), else the algorithm's sgl-tts reference system, at
+the same n on the same problems (`eval.budget`), the wall time per problem (median [min-max], and the mean the
+frontier uses), tokens and requests per problem by runtime, the request pattern, and the time ratio at matched
+accuracy: the least mean time any sgl-tts system of the algorithm needs for at least this accuracy, over this
+system's time (`measure.frontier.cost_to_reach`; < 1: sgl-tts is faster there), with its bootstrap interval over
+the problems (`measure.frontier.reach_ratio_interval`). Two plots: accuracy against mean wall time and against
+processed tokens per problem, one curve per system over its n values, each system's Pareto frontier points filled
+(`measure.frontier.pareto_front`).
 """
 
 from __future__ import annotations
@@ -220,9 +221,11 @@ def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cells.append({"system": name, "n": n, "algorithm": rows[0]["algorithm"], "family": rows[0].get("family"),
                           "pattern": rows[0].get("pattern"), **cell_summary(rows)})
     references = {s.algorithm: s.name for s in SYSTEMS if s.reference}
+    counterparts = {s.name: s.counterpart for s in SYSTEMS if s.counterpart}
     by_key = {(c["system"], c["n"]): c for c in cells}
     for cell in cells:
-        reference = by_key.get((references.get(cell["algorithm"]), cell["n"]))
+        reference = (by_key.get((counterparts.get(cell["system"]), cell["n"]))
+                     or by_key.get((references.get(cell["algorithm"]), cell["n"])))
         if reference is not None and reference is not cell:
             cell["vs_reference"] = {"system": reference["system"],
                                     **compare_paired(reference["outcomes"], cell["outcomes"])}
@@ -234,7 +237,7 @@ def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(cells, key=lambda c: order.get(c["algorithm"], len(order)))
 
 
-COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts ref: Δ pt [95% CI], p",
+COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts: Δ pt [95% CI], p",
            "wall s/problem median [min-max]", "mean s", "x sgl-tts at ≥ acc [95% CI]", "processed tok",
            "gen generated", "gen prompt/cached", "PRM prompt/cached", "requests gen server/client",
            "requests PRM server/client")
@@ -253,6 +256,8 @@ def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
             d_low, d_high = versus["interval"]
             compared = (f"{100 * versus['difference']:+.1f} [{100 * d_low:+.1f}, {100 * d_high:+.1f}], "
                         f"p={versus['p_value']:.3g}")
+            if not any(s.reference and s.name == versus["system"] for s in SYSTEMS):
+                compared = f"vs {versus['system']}: {compared}"
         g, p, r = c["generator"], c["prm"], c["client_requests"]
         rows.append([c["algorithm"], c["system"], str(c["n"]),
                      f"{100 * c['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] ({c['solved']}/{c['trials']})",
@@ -276,7 +281,8 @@ def report_markdown(cells: list[dict[str, Any]], header: dict[str, Any] | None) 
     return "\n".join([
         "Per problem, at the client: wall time (PRM included); tokens and requests from SGLang's /metrics deltas "
         "(server) and the clients' own counts (client). Accuracy with its 95% Wilson interval; Δ and McNemar's "
-        "exact p against the algorithm's sgl-tts reference at the same n, paired on the problems. 'x sgl-tts at ≥ "
+        "exact p against the system's sgl-tts counterpart where it ran ('vs ...'), else the algorithm's sgl-tts "
+        "reference, at the same n, paired on the problems. 'x sgl-tts at ≥ "
         "acc': the least mean time of a sgl-tts system of the algorithm reaching at least this accuracy, over this "
         "one's, with its 95% bootstrap interval over the problems all of them ran ('unreached': beyond that end "
         "no sgl-tts system reached this accuracy). " + machine, "", markdown_table(COLUMNS, table_rows(cells)), "",

@@ -412,6 +412,17 @@ def test_the_summary_pairs_with_the_reference_and_states_the_time_ratio(tmp_path
     assert re.search(r"\| 0\.24x \[0\.\d\d-unreached\] \|", text), "the ratio with its interval"
     assert [p.name for p in plot_frontiers(cells, tmp_path)] == ["peers-time.png", "peers-tokens.png"]
 
+    # particle filtering is paired with DVTS where DVTS ran, else with the step-search reference (beam search)
+    pf, dvts, beam = "its-hub ParticleFiltering + PRM", "sgl-tts dvts", "sgl-tts beam_search"
+    steps = [record(pf, 2, f"q{i}", c, 3.0) for i, c in enumerate(theirs)]
+    steps += [record(dvts, 2, f"q{i}", c, 2.0) for i, c in enumerate(ours)]
+    steps += [record(beam, n, f"q{i}", False, 2.0) for i in range(8) for n in (2, 4)]
+    steps += [record(pf, 4, f"q{i}", c, 3.0) for i, c in enumerate(theirs)]
+    paired = {(c["system"], c["n"]): c.get("vs_reference") for c in peers_summary(steps)}
+    assert paired[(pf, 2)]["system"] == dvts and paired[(pf, 2)]["p_value"] == mcnemar_exact(ours, theirs).p_value
+    assert paired[(pf, 4)]["system"] == beam and paired[(dvts, 2)]["system"] == beam
+    assert "| vs sgl-tts dvts: -25.0 [" in report_markdown(peers_summary(steps), None)
+
     systems = SYSTEMS[:3]
     order = run_order(list(systems), ["a", "b", "c", "d"], [1, 2])
     assert Counter(order) == Counter(itertools.product([1, 2], "abcd", systems)) and len(order) == 24

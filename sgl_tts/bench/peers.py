@@ -224,6 +224,7 @@ class System:
     pattern: str  # the requests it sends, in words
     solve: Solve
     reference: bool = False  # the sgl-tts system its algorithm's others are paired with (McNemar)
+    counterpart: str | None = None  # the sgl-tts system this one is paired with instead, where both ran
 
 
 # ---- its-hub --------------------------------------------------------------------------------------------------
@@ -381,7 +382,8 @@ SYSTEMS = (
     System("sgl-tts best_of_n argmax", "sgl-tts", "best_of_n", FORK + ", then one PRM call",
            sgl_tts_solver("best_of_n", "best")),
     System("its-hub BeamSearch + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_beam_search),
-    System("its-hub ParticleFiltering + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_particle_filtering),
+    System("its-hub ParticleFiltering + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_particle_filtering,
+           counterpart="sgl-tts dvts"),
     System("sgl-tts beam_search", "sgl-tts", "step_search",
            "per step, forks of the kept paths (prefix-cached), concurrent; incremental PRM scoring of the new steps",
            sgl_tts_solver("beam_search"), reference=True),
