@@ -140,10 +140,14 @@ def register() -> None:
     if placement == search_placement.SEARCH:
         switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
                             f"search placement installed on {search_placement.TARGET}"))
-    if (env_names.read(env_names.CORE_LENDING) or "").strip() == core_lending.ON:
-        # made here, before SGLang forks the ranks, so that they share its board
-        switched_on.append(([(core_lending.TARGET, core_lending.CoreLending().forward, "AROUND")],
-                            f"core lending installed on {core_lending.TARGET}"))
+    lending = (env_names.read(env_names.CORE_LENDING) or "").strip()
+    if lending in (core_lending.ON, core_lending.ALWAYS):
+        # made here, before SGLang forks the ranks, so that they share its board (the watch each rank reads with
+        # is its own copy, forked before its first reading)
+        watch = core_lending.OthersWatch() if lending == core_lending.ON else None
+        switched_on.append(([(core_lending.TARGET, core_lending.CoreLending(watch=watch).forward, "AROUND")],
+                            f"core lending installed on {core_lending.TARGET}"
+                            + ("" if watch else " (whatever the other processes do)")))
     if probe_head:
         switched_on.append(([(probe_readout.TARGET, probe_readout.make_forward_hook(probe_head), "AROUND")],
                             f"probe margins of {probe_head} installed on {probe_readout.TARGET}"))

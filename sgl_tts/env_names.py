@@ -26,7 +26,8 @@ CPU_LINEAR = "SGLTTS_CPU_LINEAR"  # "packed": the plugin's oneDNN linear layers 
 CPU_LAYERS = "SGLTTS_CPU_LAYERS"  # "fused": compiled RMSNorm and rotary embedding (policies/cpu_layers.py)
 CPU_DECODE = "SGLTTS_CPU_DECODE"  # "lean": a Llama decode step as one loop over the kernels (policies/lean_decode.py)
 DP_PLACEMENT = "SGLTTS_DP_PLACEMENT"  # "search": a run's requests on one DP rank (policies/search_placement.py)
-CORE_LENDING = "SGLTTS_CORE_LENDING"  # "on": an idle DP rank's core lent to a working one (policies/core_lending.py)
+CORE_LENDING = "SGLTTS_CORE_LENDING"  # "on": an idle DP rank's core lent to a working one while other processes
+# leave the cores free, "always": whatever they do (policies/core_lending.py)
 CPU_SAMPLING = "SGLTTS_CPU_SAMPLING"  # "cdf": the plugin's inverse-CDF token sampling (policies/cpu_sampling.py)
 CPU_DENORMALS = "SGLTTS_CPU_DENORMALS"  # "flush": denormal floats to zero in the scheduler (policies/cpu_sampling.py)
 PROBE_HEAD = "SGLTTS_PROBE_HEAD"  # a probe head file a generator computes margins of (policies/probe_readout.py)

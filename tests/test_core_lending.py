@@ -8,7 +8,7 @@ import os
 import pytest
 
 from policies import core_lending
-from policies.core_lending import Board, CoreLending, idle_ranks
+from policies.core_lending import Board, CoreLending, OthersWatch, busy_ticks, idle_ranks, own_ticks
 
 
 def test_an_idle_rank_is_one_that_ran_a_forward_is_out_of_it_and_has_been_for_a_while():
@@ -107,6 +107,75 @@ def test_a_failing_forward_still_returns_the_threads_and_marks_the_rank_out_of_i
     with pytest.raises(RuntimeError, match="out of memory"):
         lending(0, lambda: 10.0, threads, board).forward(failing, None, Batch())
     assert threads.threads == 1 and board.read()[0][1] == 0.0
+
+
+class FakeProc:
+    """/proc/stat and /proc/self/stat as the kernel writes them, from tick counters the test advances."""
+
+    def __init__(self) -> None:
+        self.user = self.system = self.idle = self.steal = self.own_user = self.own_system = 0
+
+    def read(self) -> tuple[str, str]:
+        machine = (f"cpu  {self.user} 7 {self.system} {self.idle} 3 0 2 {self.steal} 0 0\n"
+                   f"cpu0 1 2 3 4 5 6 7 8 0 0\nintr 1 2 3\n")
+        own = f"4242 (sgl (rank) 1) R 1 2 3 0 -1 4194304 10 0 0 0 {self.own_user} {self.own_system} 0 0 20 0 3 0"
+        return machine, own
+
+
+def test_the_proc_readings_are_the_busy_ticks_of_the_machine_and_of_this_process():
+    proc = FakeProc()
+    proc.user, proc.system, proc.idle, proc.steal, proc.own_user, proc.own_system = 100, 20, 500, 9, 30, 5
+    machine, own = proc.read()
+    assert busy_ticks(machine) == 100 + 7 + 20 + 2, "user + nice + system + softirq; idle, iowait, steal left out"
+    assert own_ticks(own) == 35, "utime + stime, read after the name (which may hold spaces and parentheses)"
+    with open("/proc/stat") as machine_file, open("/proc/self/stat") as own_file:
+        assert busy_ticks(machine_file.read()) > 0 and own_ticks(own_file.read()) >= 0
+
+
+def test_the_watch_gives_the_cores_the_other_processes_kept_busy_over_its_window():
+    proc, now = FakeProc(), [10.0]
+    watch = OthersWatch(proc.read, clock=lambda: now[0], window_s=0.25, ticks_per_s=100)
+    assert watch.cores() is None, "one reading: no window yet"
+    now[0] += 0.5
+    proc.user += 60  # 60 ticks busy on the machine in 0.5 s, 20 of them this process's
+    proc.own_user += 20
+    assert watch.cores() == pytest.approx(0.8), "(60 - 20) ticks / 100 per s / 0.5 s"
+    now[0] += 0.1
+    proc.user += 100
+    assert watch.cores() == pytest.approx(0.8), "within the window: the last value, /proc not read"
+    now[0] += 0.4
+    proc.own_system += 100  # this process alone was busy (its borrowed threads included)
+    assert watch.cores() == pytest.approx(0.0)
+    unreadable = OthersWatch(lambda: (_ for _ in ()).throw(OSError("no /proc")), clock=lambda: now[0])
+    assert unreadable.cores() is None
+
+
+def test_a_rank_borrows_only_while_the_other_processes_leave_the_cores_free():
+    board, now, proc = Board(slots=2), [50.0], FakeProc()
+    board.write(1, 77, False, 0.0)  # rank 1 idle
+    threads = FakeThreads(1)
+    watch = OthersWatch(proc.read, clock=lambda: now[0], window_s=0.25, ticks_per_s=100)
+    lender = CoreLending(board, clock=lambda: now[0], threads=(threads.get, threads.set), watch=watch)
+    lender.rank = lambda: 0
+    seen = []
+
+    def step():
+        lender.forward(lambda runner, batch: seen.append(threads.threads), None, Batch())
+        now[0] += 0.3
+
+    step()  # no window yet: borrows
+    proc.user += 30  # 30 ticks in 0.3 s, none this process's: another process kept a core busy
+    step()
+    proc.user += 3  # 0.1 core: the cores are free again
+    step()
+    proc.user, proc.own_user = proc.user + 60, proc.own_user + 55  # this rank on two cores, others 0.17 core
+    step()
+    assert seen == [2, 1, 2, 2]
+    free = CoreLending(board, clock=lambda: now[0], threads=(threads.get, threads.set))  # `always`: no watch
+    free.rank = lambda: 0
+    proc.user += 300
+    free.forward(lambda runner, batch: seen.append(threads.threads), None, Batch())
+    assert seen[-1] == 2
 
 
 def test_forked_ranks_share_the_board_their_parent_made():
