@@ -26,14 +26,15 @@ with a thread more than there are cores.
 The board sees only the ranks of one runtime, not another busy process on the machine (a verifier runtime of its
 own, a control loop, a test run). A borrowed step then has a thread on a core that process holds, and each of the
 step's parallel regions waits at its barrier until the scheduler gives that thread its turn: beside one busy
-process a single request decoded at 1.8 tok/s borrowing, 15.5 without (docs/runtime-speed.md). So a rank borrows
+process a single request decoded at 1.8 tok/s borrowing, 16.8 not (docs/runtime-speed.md). So a rank borrows
 only while the others leave the cores free (`OthersWatch`): over the last WATCH_S or more of wall time w,
 
-    others  =  (busy CPU time of the machine  −  CPU time of this rank's process) / w       (/proc/stat, /proc/self/stat)
+    others  =  (busy CPU time of the machine  −  CPU time of this rank's process) / w    (/proc/stat, /proc/self/stat)
 
 in cores, and a rank borrows only while others < BUSY_OTHERS (the runtime's own tokenizer and detokenizer and a
 client use a few tenths of a core). A rank that borrowed counts its borrowed threads as its own, so its lending
-does not stop itself.
+does not stop itself; a peer rank is one of the others, so a window in which it worked holds lending back until the
+next window (the watch is read only when a peer is idle).
 
 The plugin (`policies/plugin.py`) installs it with $SGLTTS_CORE_LENDING=on (`always`: borrow whatever the others
 do); `sgl_tts/runtime/server.py` sets `on` on every multi-rank CPU runtime (`env: {SGLTTS_CORE_LENDING: off}` keeps
