@@ -245,18 +245,19 @@ COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts: Δ pt [
 
 def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
+    references = {s.name for s in SYSTEMS if s.reference}
     for c in cells:
         low, high = c["interval"]
         versus = c.get("vs_reference")
         if versus is None:
-            compared = "reference" if any(s.reference and s.name == c["system"] for s in SYSTEMS) else "-"
+            compared = "reference" if c["system"] in references else "-"
         elif not versus["pairs"]:
             compared = "no shared problems"
         else:
             d_low, d_high = versus["interval"]
             compared = (f"{100 * versus['difference']:+.1f} [{100 * d_low:+.1f}, {100 * d_high:+.1f}], "
                         f"p={versus['p_value']:.3g}")
-            if not any(s.reference and s.name == versus["system"] for s in SYSTEMS):
+            if versus["system"] not in references:
                 compared = f"vs {versus['system']}: {compared}"
         g, p, r = c["generator"], c["prm"], c["client_requests"]
         rows.append([c["algorithm"], c["system"], str(c["n"]),

@@ -380,6 +380,10 @@ def test_the_time_ratio_interval_matches_resampling_by_hand():
     assert high == float("inf") and reached < 1.0, "never right: reached only where the peer's draw missed too"
     with pytest.raises(ValueError, match="same 3 problem"):
         reach_ratio_interval([([1.0, 2.0], [True, False])], (costs, [True] * 3))
+    with pytest.raises(ValueError, match="at least one point"):
+        reach_ratio_interval([], (costs, [True] * 3))
+    with pytest.raises(ValueError, match="same 3 problem"):  # points of different lengths: named, not numpy's error
+        reach_ratio_interval([(costs, [True] * 3), ([1.0], [True])], (costs, [True] * 3))
 
 
 def record(system, n, problem, correct, wall, generated=10):

@@ -46,13 +46,14 @@ def reach_ratio_interval(ours: Sequence[tuple[Sequence[float], Sequence[bool]]],
     (low, high, share of resamples in which some point of ours reached the peer's accuracy). `ours` and `peer`
     give each point's (cost, correct) per problem, every point over the same problems in the same order; an end
     is +inf where the resamples beyond it did not reach. Seeded: the same inputs give the same interval."""
-    costs = np.asarray([point[0] for point in ours], dtype=float).reshape(len(ours), -1)
-    correct = np.asarray([point[1] for point in ours], dtype=float).reshape(len(ours), -1)
+    problems = len(peer[0])
+    lengths = {len(column) for point in [*ours, peer] for column in point}
+    if problems == 0 or not ours or lengths != {problems}:
+        raise ValueError(f"ours, peer: expected at least one point, every one over the same {problems} problem(s) "
+                         f"as the peer's (at least one), got {len(ours)} point(s) over {sorted(lengths)}")
+    costs = np.asarray([point[0] for point in ours], dtype=float)  # (points, problems)
+    correct = np.asarray([point[1] for point in ours], dtype=float)
     peer_cost, peer_correct = np.asarray(peer[0], dtype=float), np.asarray(peer[1], dtype=float)
-    problems = len(peer_cost)
-    if problems == 0 or not len(ours) or costs.shape[1] != problems or len(peer_correct) != problems:
-        raise ValueError(f"ours, peer: expected every point over the same {problems} problem(s), at least one each, "
-                         f"got points of {sorted({row.shape[0] for row in costs})} and {len(peer_correct)}")
     draws = np.random.default_rng(seed).integers(0, problems, size=(resamples, problems))
     our_cost, our_accuracy = costs[:, draws].mean(axis=2), correct[:, draws].mean(axis=2)  # (points, resamples)
     wanted = peer_correct[draws].mean(axis=1)
