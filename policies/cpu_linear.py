@@ -45,7 +45,24 @@ head. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX:
 ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
 `sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
 
-The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed or packed-bf16
+Weights that a 4-bit quantization wrote are read from their 4 bits at a few rows. SmolLM2-135M's decoder layers
+ship as GGUF Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the quantizer sets m to
+the group's least weight and d to its range / 15, so q = 0 and q = 15 both occur), and the converted fp32 weight
+keeps that grid. With $SGLTTS_CPU_LINEAR=packed-bf16-int4 each weight is checked for it once, and where every group
+is on it the weight is kept a second time as its q with a bf16 scale and zero per group (torch's int4 CPU layout):
+
+    per group:  m = min w,  d = (max w - m) / 15,  q = round((w - m) / d)      on the grid: |w - (m + d q)| <= d/1000
+    y = bf16(x) W'^T,   W' = (q - 8) bf16(d) + bf16(m + 8 d)                    torch's _weight_int4pack_mm_for_cpu
+
+W' differs from W by the two bf16 roundings (<= 2^-8 of d and of the group's midpoint each), as bf16(W) differs by
+one of W. The int4 copy is a quarter of the bf16 copy's bytes, but the kernel unpacks it for every row: one decode
+step's linear layers of SmolLM2-135M (its 210 decoder weights from 4 bits, the LM head in bf16) on a 2-core Xeon
+with AMX, 2 threads, took 19.7 / 23.7 / 30.6 / 38.0 / 49.5 ms at 1 / 4 / 8 / 10 / 16 rows against 35.3 / 35.9 / 37.4
+/ 38.5 / 42.0 with every weight in bf16 (`scripts/bench_linear_bf16.py`; one thread: the same crossover), so
+products of at most INT4_ROWS rows take it, larger ones the packed bf16 copy (`docs/runtime-speed.md`). Weights off
+the grid (the LM head, which ships as Q8_0; any fp32 model) keep bf16.
+
+The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed, packed-bf16 or packed-bf16-int4
 (`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every head whole, to measure the
 live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
 LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
@@ -61,13 +78,20 @@ NORMALIZER_TARGET = "sglang.srt.layers.logprob_processor.compute_row_log_normali
 PACKED = "packed"  # the value of $SGLTTS_CPU_LINEAR that installs them
 PACKED_DENSE = "packed-dense"  # the same with every head packed whole (to measure the live-rows head against)
 PACKED_BF16 = "packed-bf16"  # the same on weights and inputs rounded to bf16 (CPUs with AMX)
-VALUES = (PACKED, PACKED_DENSE, PACKED_BF16)
+PACKED_BF16_INT4 = "packed-bf16-int4"  # the same, and weights on a 4-bit grid from 4 bits at a few rows
+VALUES = (PACKED, PACKED_DENSE, PACKED_BF16, PACKED_BF16_INT4)
+INT4_GROUP = 32  # weights along K that share a scale and zero (GGUF's Q4_0 / Q4_1 block)
+INT4_LEVELS = 15  # q in 0..15
+INT4_ROWS = 8  # products of at most this many rows read the 4-bit copy (measured crossover: 9-10 rows)
+GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
 _BF16_CACHE = "_sgltts_packed_bf16_weight"  # module attribute: (the weight's identity, its packed bf16 copy)
+_INT4_CACHE = "_sgltts_int4_weight"  # module attribute: (the weight's identity, (packed q, scales and zeros) or None)
 _ROWS_CACHE = "_sgltts_live_rows"  # module attribute: (the weight's identity, (live rows, their weights) or None)
 SPARSE_HEAD_SHARE = 1 / 64  # at most this share of a head's rows live: computed on those rows alone
 PLAIN_LM_HEAD_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
 _sparse_head: list[Any] = []  # (live rows, vocabulary size) once this process's head took the live-rows path
+_int4_listeners: list[Callable[[str], None]] = []  # hear once that a product read a 4-bit weight (`tell_int4`)
 
 
 def applies(x: Any, weight: Any) -> bool:
@@ -91,6 +115,73 @@ def packed_bf16_weight(module: Any) -> Any:
     import torch
 
     return per_weight(module, _BF16_CACHE, lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16()))
+
+
+def four_bit_grid(weight: Any) -> tuple[Any, Any, Any] | None:
+    """(q [N, K] int32 in 0..INT4_LEVELS, d [N, K / INT4_GROUP], m [N, K / INT4_GROUP]) with weight = m + d q per
+    group of INT4_GROUP along K (to GRID_TOLERANCE of d), or None when the weight is not on such a grid."""
+    import torch
+
+    rows, columns = weight.shape
+    if columns % INT4_GROUP:
+        return None
+    groups = weight.float().reshape(rows, columns // INT4_GROUP, INT4_GROUP)
+    low = groups.amin(dim=-1)
+    step = (groups.amax(dim=-1) - low) / INT4_LEVELS
+    safe_step = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round((groups - low[..., None]) / safe_step[..., None]).clamp(0, INT4_LEVELS)
+    off_grid = (groups - (low[..., None] + step[..., None] * q)).abs() > GRID_TOLERANCE * step[..., None]
+    if bool(off_grid.any()):
+        return None
+    return q.to(torch.int32).reshape(rows, columns), step, low
+
+
+def q4_1_round(weight: Any) -> Any:
+    """`weight` [N, K] rounded as GGUF's Q4_1 quantizer writes it (per group of INT4_GROUP along K: m = fp16(min w),
+    d = fp16((max w - min w) / 15), q = round((w - m) / d) in 0..15), as the converted fp32 weight it reads back,
+    m + d q: a weight on the grid `four_bit_grid` finds. For benches and tests of the 4-bit path."""
+    import torch
+
+    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    low = groups.amin(dim=-1, keepdim=True).half().float()
+    step = ((groups.amax(dim=-1, keepdim=True) - groups.amin(dim=-1, keepdim=True)) / INT4_LEVELS).half().float()
+    q = torch.round((groups - low) / torch.where(step > 0, step, torch.ones_like(step))).clamp(0, INT4_LEVELS)
+    return (low + step * q).reshape(weight.shape)
+
+
+def int4_weight(module: Any) -> tuple[Any, Any] | None:
+    """`module.weight` in torch's int4 CPU layout (packed q, bf16 scales and zeros [K / INT4_GROUP, N, 2]) when it
+    is on a 4-bit grid (`four_bit_grid`) of a shape the kernel takes (N a multiple of 16), else None; found once per
+    weight, and again after it changed."""
+    import torch
+
+    def derive(weight: Any) -> tuple[Any, Any] | None:
+        grid = four_bit_grid(weight) if weight.dim() == 2 and weight.shape[0] % 16 == 0 else None
+        if grid is None:
+            return None
+        q, step, low = grid
+        zero = low + (INT4_LEVELS + 1) // 2 * step  # the kernel computes (q - 8) scale + zero
+        scales_and_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
+
+    return per_weight(module, _INT4_CACHE, derive)
+
+
+def int4_linear(x: Any, int4: tuple[Any, Any], bias: Any = None) -> Any:
+    """fp32 x [..., K] rounded to bf16, times the 4-bit weight (`int4_weight`) transposed (a bf16 result), in fp32,
+    plus bias."""
+    import torch
+
+    packed, scales_and_zeros = int4
+    rows = x.reshape(-1, x.shape[-1]).bfloat16()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros).float()
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+def tell_int4(listener: Callable[[str], None]) -> None:
+    """`listener` hears, once in this process, the first product that reads a 4-bit weight."""
+    _int4_listeners.append(listener)
 
 
 def per_weight(module: Any, attribute: str, derive: Callable[[Any], Any]) -> Any:
@@ -143,24 +234,37 @@ def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
     return out if bias is None else out + bias
 
 
-def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False) -> Any:
-    """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its packed bf16 one."""
+def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, int4: bool = False) -> Any:
+    """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its packed bf16 one; with
+    `int4`, at most INT4_ROWS rows on its 4-bit copy where it has one."""
+    if int4:
+        four_bits = int4_weight(module)  # found on the first call, whatever its rows
+        if four_bits is not None and x.numel() <= INT4_ROWS * x.shape[-1]:
+            while _int4_listeners:
+                _int4_listeners.pop()(f"a product of {x.numel() // x.shape[-1]} row(s) read its "
+                                      f"{tuple(module.weight.shape)} weight from 4 bits")
+            return int4_linear(x, four_bits, bias)
     if bf16:
         return bf16_packed_linear(x, packed_bf16_weight(module), bias)
     return packed_linear(x, packed_weight(module), bias)
 
 
 def linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None,
-                bf16: bool = False) -> Any:
+                bf16: bool = False, int4: bool = False) -> Any:
     """An AROUND hook for `UnquantizedLinearMethod.apply(layer, x, bias)`."""
     if getattr(layer, "use_intel_amx_backend", False) or not applies(x, layer.weight):
         return original(method, layer, x, bias)
-    return dense_linear(x, layer, bias, bf16)
+    return dense_linear(x, layer, bias, bf16, int4)
 
 
 def bf16_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     """`linear_hook` on bf16 weights ($SGLTTS_CPU_LINEAR=packed-bf16)."""
     return linear_hook(original, method, layer, x, bias, bf16=True)
+
+
+def bf16_int4_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """`linear_hook` on bf16 weights, and 4-bit ones at a few rows ($SGLTTS_CPU_LINEAR=packed-bf16-int4)."""
+    return linear_hook(original, method, layer, x, bias, bf16=True, int4=True)
 
 
 def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,

@@ -107,7 +107,11 @@ def register() -> None:
         linear_hook, head_hook = {cpu_linear.PACKED: (cpu_linear.linear_hook, cpu_linear.lm_head_hook),
                                   cpu_linear.PACKED_DENSE: (cpu_linear.linear_hook, cpu_linear.dense_lm_head_hook),
                                   cpu_linear.PACKED_BF16: (cpu_linear.bf16_linear_hook,
-                                                           cpu_linear.bf16_lm_head_hook)}[linear]
+                                                           cpu_linear.bf16_lm_head_hook),
+                                  cpu_linear.PACKED_BF16_INT4: (cpu_linear.bf16_int4_linear_hook,
+                                                                cpu_linear.bf16_lm_head_hook)}[linear]
+        if linear == cpu_linear.PACKED_BF16_INT4:
+            cpu_linear.tell_int4(announce)
         switched_on.append(([(cpu_linear.LINEAR_TARGET, linear_hook, "AROUND"),
                              (cpu_linear.LM_HEAD_TARGET, head_hook, "AROUND"),
                              (cpu_linear.NORMALIZER_TARGET, cpu_linear.normalizer_hook, "AROUND")],
@@ -123,7 +127,8 @@ def register() -> None:
                    env_names.CPU_LINEAR: linear in cpu_linear.VALUES,
                    env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
         if all(kernels.values()):
-            hook = lean_decode.make_forward_hook(bf16=linear == cpu_linear.PACKED_BF16, announce=announce)
+            hook = lean_decode.make_forward_hook(bf16=linear in (cpu_linear.PACKED_BF16, cpu_linear.PACKED_BF16_INT4),
+                                                 int4=linear == cpu_linear.PACKED_BF16_INT4, announce=announce)
             switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
                                 f"lean decode installed on {lean_decode.TARGET}"))
         else:

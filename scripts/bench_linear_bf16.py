@@ -1,10 +1,12 @@
 """One decode step's linear layers of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down, then the LM head; random
-weights of the model's shapes) through oneDNN on packed weights, fp32 against bf16 weights (`bf16_packed_linear`, the
-runtime's packed-bf16 product), with SGLang's plain `F.linear` in fp32 beside them. The arms run
-interleaved; prints the median [min-max] ms per step at each row count, the bf16 head's relative error, the CPU
-(`cpu_summary`: bf16 is worth it only where it names amx_bf16) and the load.
+weights of the model's shapes, the layers' rounded as GGUF's Q4_1 writes them, as the model ships) through oneDNN on
+packed weights, fp32 against bf16 weights (`bf16_packed_linear`, the runtime's packed-bf16 product) and against the
+layers read from 4 bits (`int4_linear`, what packed-bf16-int4 computes at up to INT4_ROWS rows; the head in bf16),
+with SGLang's plain `F.linear` in fp32 beside them. The arms run interleaved; prints the median [min-max] ms per step
+at each row count, the bf16 head's relative error, the CPU (`cpu_summary`: bf16 is worth it only where it names
+amx_bf16) and the load.
 
-    .venv/bin/python scripts/bench_linear_bf16.py [--threads 2] [--repeats 5]
+    .venv/bin/python scripts/bench_linear_bf16.py [--threads 2] [--repeats 5] [--rows 1,4,8,10,16,64,256]
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import argparse
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
-from policies.cpu_linear import bf16_packed_linear, packed_linear
+from policies.cpu_linear import bf16_packed_linear, int4_linear, int4_weight, packed_linear, q4_1_round
 from sgl_tts.runtime.hardware import cpu_summary
 
 HIDDEN, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -28,18 +31,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", default="1,8,16,64,256", help="comma-separated row counts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    weights = [q4_1_round(torch.randn(n, k) * 0.02) for n, k in SHAPES[:-1]] + [torch.randn(*SHAPES[-1]) * 0.02]
+    four_bits = [int4_weight(SimpleNamespace(weight=w)) for w in weights[:-1]]
     packed_fp32 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
     arms = {
         "fp32 F.linear": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
         "fp32 packed": lambda xs: [packed_linear(x, w) for x, w in zip(xs, packed_fp32)],
         "bf16 packed": lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)],
+        "int4 layers": lambda xs: [int4_linear(x, w) for x, w in zip(xs, four_bits)]
+        + [bf16_packed_linear(xs[-1], packed_bf16[-1])],
     }
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    for rows in (1, 8, 16, 64, 256):
+    for rows in (int(count) for count in args.rows.split(",")):
         inputs = [torch.randn(rows, k) for _, k in SHAPES]
         times: dict[str, list[float]] = {name: [] for name in arms}
         for arm in arms.values():
@@ -49,11 +56,13 @@ def main() -> None:
                 start = time.perf_counter()
                 arm(inputs)
                 times[name].append((time.perf_counter() - start) * 1e3)
-        head = arms["fp32 F.linear"](inputs[-1:])[-1]
-        error = (arms["bf16 packed"](inputs[-1:])[-1] - head).abs().max() / head.abs().max()
+        head = torch.nn.functional.linear(inputs[-1], weights[-1])
+        error = (bf16_packed_linear(inputs[-1], packed_bf16[-1]) - head).abs().max() / head.abs().max()
         cells = "  ".join(f"{name} {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}]" for name, t in times.items())
         ratio = statistics.median(times["fp32 packed"]) / statistics.median(times["bf16 packed"])
-        print(f"{rows:4d} rows  {cells}  fp32/bf16 packed {ratio:.2f}x  bf16 head error {error:.1e}", flush=True)
+        int4_ratio = statistics.median(times["bf16 packed"]) / statistics.median(times["int4 layers"])
+        print(f"{rows:4d} rows  {cells}  fp32/bf16 packed {ratio:.2f}x  bf16/int4 {int4_ratio:.2f}x  "
+              f"bf16 head error {error:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.quantization.unquant")
 
+from policies import cpu_linear  # noqa: E402
 from policies.cpu_linear import (applies, bf16_linear_hook, bf16_lm_head_hook, dense_lm_head_hook,  # noqa: E402
                                  linear_hook, live_rows, lm_head_hook, packed_bf16_weight, packed_linear,
                                  packed_weight)
@@ -61,6 +62,81 @@ def test_the_bf16_linear_is_the_product_of_the_rounded_factors(shape):
     assert (got.double() - exact).abs().max() > 1e-4
     assert packed_bf16_weight(layer) is packed_bf16_weight(layer)  # packed once
     assert linear_hook(lambda *args: "sglang", None, layer, x.bfloat16(), bias=None, bf16=True) == "sglang"
+
+
+def four_bit_layer(rows: int, columns: int, seed: int = 0) -> tuple[types.SimpleNamespace, dict]:
+    """A layer whose weight a Q4_1 quantizer wrote, as a GGUF file's converted weight has it: per group of 32 along
+    K, w = float(d) q + float(m) with fp16 d and m, q in 0..15, and both 0 and 15 in every group (the quantizer's
+    m is the group's least weight, d its range / 15). Returns the layer and its q, d and m."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = columns // 32
+    q = torch.randint(0, 16, (rows, groups, 32), generator=generator)
+    q[..., 0], q[..., 1] = 0, 15
+    q = q[..., torch.randperm(32, generator=generator)]
+    d = (torch.rand(rows, groups, generator=generator) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(rows, groups, generator=generator) * 0.1).half().float()
+    weight = (d[..., None] * q + m[..., None]).reshape(rows, columns)
+    layer = types.SimpleNamespace(weight=torch.nn.Parameter(weight, requires_grad=False))
+    return layer, {"q": q.reshape(rows, columns), "d": d, "m": m}
+
+
+def test_a_weight_on_a_four_bit_grid_is_found_exactly_and_others_are_not():
+    layer, truth = four_bit_layer(48, 96)
+    q, step, low = cpu_linear.four_bit_grid(layer.weight)
+    assert torch.equal(q, truth["q"].to(torch.int32)) and torch.equal(low, truth["m"])
+    torch.testing.assert_close(step, truth["d"], rtol=1e-6, atol=0)
+    off = layer.weight.clone()
+    off[3, 40] += 0.01 * truth["d"][3, 1]  # one weight a hundredth of a step off its group's grid
+    assert cpu_linear.four_bit_grid(off) is None
+    assert cpu_linear.four_bit_grid(layer_of(48, 96).weight) is None  # a plain fp32 weight
+    assert cpu_linear.four_bit_grid(layer.weight[:, :80]) is None  # K not a multiple of the group
+    constant = torch.full((16, 32), 0.25)  # a group with one value: d = 0, every q 0
+    assert torch.equal(cpu_linear.four_bit_grid(constant)[0], torch.zeros(16, 32, dtype=torch.int32))
+    assert cpu_linear.int4_weight(four_bit_layer(40, 64)[0]) is None  # N not a multiple of 16: the kernel's layout
+    rounded = cpu_linear.q4_1_round(layer_of(48, 96).weight)  # the quantizer's output is on the grid it reads
+    q, step, low = cpu_linear.four_bit_grid(rounded)
+    assert torch.equal(low, low.half().float())  # fp16 m and d, as the file stores them
+    torch.testing.assert_close(step, step.half().float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_four_bit_product_is_the_brute_force_one_with_bf16_scales(rows):
+    """y = bf16(x) W'^T rounded to bf16, W' = (q - 8) bf16(d) + bf16(m + 8d): against that product in float64
+    (one bf16 rounding of the result, 2^-8 relative, and fp32 summation), and within the bf16 roundings of the scales
+    (<= 2^-8 (8d + |m + 8d|) a weight) of the exact fp32 product."""
+    layer, truth = four_bit_layer(64, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(64)
+    got = cpu_linear.int4_linear(x, cpu_linear.int4_weight(layer), bias)
+    zero = truth["m"] + 8 * truth["d"]
+    rounded_weight = ((truth["q"].reshape(64, 18, 32) - 8) * truth["d"].bfloat16().double()[..., None]
+                      + zero.bfloat16().double()[..., None]).reshape(64, 576)
+    brute = x.bfloat16().double() @ rounded_weight.T
+    magnitude = x.bfloat16().double().abs() @ rounded_weight.abs().T
+    assert ((got.double() - bias - brute).abs() <= 2.0 ** -8 * brute.abs() + 576 * 2.0 ** -23 * magnitude).all()
+    scale_error = (2.0 ** -8 * (8 * truth["d"] + zero.abs())).double().repeat_interleave(32, dim=1)
+    exact = x.bfloat16().double() @ layer.weight.double().T
+    assert ((brute - exact).abs() <= x.bfloat16().double().abs() @ scale_error.T + 1e-12).all()
+
+
+def test_four_bit_weights_are_read_at_a_few_rows_and_bf16_ones_beyond():
+    layer, _ = four_bit_layer(64, 576)
+    heard = []
+    cpu_linear.tell_int4(heard.append)
+    sglang = lambda *args: "sglang"  # noqa: E731
+    for rows in (1, cpu_linear.INT4_ROWS, cpu_linear.INT4_ROWS + 1, 32):
+        x = torch.randn(rows, 576)
+        got = cpu_linear.bf16_int4_linear_hook(sglang, None, layer, x)
+        four_bits = cpu_linear.int4_linear(x, cpu_linear.int4_weight(layer))
+        bf16 = cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))
+        assert torch.equal(got, four_bits if rows <= cpu_linear.INT4_ROWS else bf16)
+        assert not torch.equal(four_bits, bf16)
+    assert heard == ["a product of 1 row(s) read its (64, 576) weight from 4 bits"]
+    plain = layer_of(64, 576)  # off the grid: bf16 at any size
+    x = torch.randn(1, 576)
+    assert torch.equal(cpu_linear.bf16_int4_linear_hook(sglang, None, plain, x),
+                       cpu_linear.bf16_packed_linear(x, packed_bf16_weight(plain)))
+    assert cpu_linear.bf16_int4_linear_hook(sglang, None, layer, x.bfloat16()) == "sglang"  # not an fp32 product
 
 
 def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
@@ -227,7 +303,7 @@ def test_cpu_runtimes_take_bf16_linear_layers_only_where_the_cpu_has_amx_bf16(mo
 
     monkeypatch.delenv(env_names.CPU_LINEAR, raising=False)
     monkeypatch.setattr(server, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile", "amx_bf16"})
-    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed-bf16"
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed-bf16-int4"
     kept = server.RuntimeConfig(env={env_names.CPU_LINEAR: "packed"})  # a config that keeps fp32
     assert server.server_env(kept)[env_names.CPU_LINEAR] == "packed"
     assert env_names.CPU_LINEAR not in server.server_env(server.RuntimeConfig(device="cuda"))
@@ -237,37 +313,79 @@ def test_cpu_runtimes_take_bf16_linear_layers_only_where_the_cpu_has_amx_bf16(mo
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "sglang"
 
 
+def greedy_logprobs(url: str, ids: list[int]) -> list:
+    """(logprob, token, text) of 8 greedy tokens after `ids`, end of sequence ignored."""
+    from sgl_tts.runtime.server import http_json
+
+    answer = http_json(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    return answer["meta_info"]["output_token_logprobs"]
+
+
+def fp32_logprobs(model, ids: list[int], generated: list[int]):
+    """transformers' fp32 logprobs of `generated` after `ids`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1]
+    return torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
+
+
+BF16_PROMPTS = [[1, 2, 3], list(range(5, 40)), [7] * 60]
+
+
 @pytest.mark.runtime
 def test_a_bf16_runtime_decodes_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path):
-    """A runtime with $SGLTTS_CPU_LINEAR=packed-bf16 (the default where the CPU has AMX): greedy decoding with the
-    logprobs of transformers' fp32 model to within bf16's rounding, and not the fp32 runtime's exact ones (the
-    bf16 path did run). Both runtimes answer the same prompts; the fp32 one is the shared test runtime."""
+    """A runtime with $SGLTTS_CPU_LINEAR=packed-bf16: greedy decoding with the logprobs of transformers' fp32 model to
+    within bf16's rounding, and not the fp32 runtime's exact ones (the bf16 path did run). Both runtimes answer the
+    same prompts; the fp32 one is the shared test runtime."""
     from transformers import AutoModelForCausalLM
 
     from sgl_tts import env_names
-    from sgl_tts.runtime.server import Runtime, RuntimeConfig, http_json
-
-    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 60]
-
-    def logprobs(url, ids):
-        answer = http_json(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
-            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
-        return answer["meta_info"]["output_token_logprobs"]
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     config = RuntimeConfig(model="tiny-random", max_total_tokens=4096, env={env_names.CPU_LINEAR: "packed-bf16"})
     with Runtime.start(config, name="tiny-bf16", log_dir=tmp_path) as bf16_runtime:
-        served = [logprobs(bf16_runtime.url, ids) for ids in prompts]
+        served = [greedy_logprobs(bf16_runtime.url, ids) for ids in BF16_PROMPTS]
         log = bf16_runtime.log_path.read_text()
     assert "packed-bf16 linear layers installed" in log
     model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
     largest_difference_from_fp32 = 0.0
-    for ids, answer in zip(prompts, served):
+    for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1]
-        reference = torch.log_softmax(logits, dim=-1)[torch.arange(len(generated)), generated]
         got = torch.tensor([logprob for logprob, _, _ in answer])
-        torch.testing.assert_close(got, reference, atol=2e-2, rtol=0)
-        fp32 = torch.tensor([logprob for logprob, _, _ in logprobs(tiny_runtime.url, ids)[:len(generated)]])
+        torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=2e-2, rtol=0)
+        fp32 = torch.tensor([logprob for logprob, _, _ in greedy_logprobs(tiny_runtime.url, ids)[:len(generated)]])
         largest_difference_from_fp32 = max(largest_difference_from_fp32, (got - fp32).abs().max().item())
     assert largest_difference_from_fp32 > 1e-5
+
+
+@pytest.mark.runtime
+def test_a_four_bit_model_decodes_from_four_bits_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path):
+    """The tiny model with every decoder linear weight put on a Q4_1 grid (as a GGUF file's converted weights are),
+    served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default where the CPU has AMX): one request at a time reads
+    the 4-bit copies (the plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model to
+    within bf16's rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgl_tts import env_names
+    from sgl_tts.runtime.server import Runtime, RuntimeConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".layers." in name and parameter.dim() == 2:
+                parameter.copy_(cpu_linear.q4_1_round(parameter))
+                assert cpu_linear.four_bit_grid(parameter) is not None
+    folder = tmp_path / "tiny-four-bit"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_runtime.model_path).save_pretrained(folder)
+    config = RuntimeConfig(model=str(folder), max_total_tokens=4096,
+                           env={env_names.CPU_LINEAR: cpu_linear.PACKED_BF16_INT4})
+    with Runtime.start(config, name="tiny-int4", log_dir=tmp_path) as int4_runtime:
+        served = [greedy_logprobs(int4_runtime.url, ids) for ids in BF16_PROMPTS]
+        log = int4_runtime.log_path.read_text()
+    assert "packed-bf16-int4 linear layers installed" in log
+    assert "row(s) read its" in log and "weight from 4 bits" in log
+    for ids, answer in zip(BF16_PROMPTS, served):
+        generated = [token for _, token, _ in answer]
+        got = torch.tensor([logprob for logprob, _, _ in answer])
+        torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=2e-2, rtol=0)
