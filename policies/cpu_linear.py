@@ -60,9 +60,13 @@ step's linear layers of SmolLM2-135M (its 210 decoder weights from 4 bits, the L
 with AMX, 2 threads, took 19.7 / 23.7 / 30.6 / 38.0 / 49.5 ms at 1 / 4 / 8 / 10 / 16 rows against 35.3 / 35.9 / 37.4
 / 38.5 / 42.0 with every weight in bf16 (`scripts/bench_linear_bf16.py`; one thread: the same crossover), so
 products of at most INT4_ROWS rows take it, larger ones the packed bf16 copy (`docs/runtime-speed.md`). Weights off
-the grid (the LM head, which ships as Q8_0; any fp32 model) keep bf16.
+the grid (the LM head, which ships as Q8_0; any fp32 model) keep bf16. On a CPU without AMX, `packed-int4` does the
+same beside the packed fp32 copy (the 4-bit product still rounds its input and result to bf16): with torch and oneDNN
+held to AVX2 on that Xeon, one step's linear layers (the head in fp32) took 17.8 / 25.2 / 36.5 / 58.9 ms at 1 / 4 / 8
+/ 16 rows against 41.1 / 53.0 / 60.5 / 70.6 all in fp32.
 
-The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed, packed-bf16 or packed-bf16-int4
+The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed, packed-bf16, packed-bf16-int4 or
+packed-int4
 (`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every head whole, to measure the
 live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
 LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
@@ -79,7 +83,9 @@ PACKED = "packed"  # the value of $SGLTTS_CPU_LINEAR that installs them
 PACKED_DENSE = "packed-dense"  # the same with every head packed whole (to measure the live-rows head against)
 PACKED_BF16 = "packed-bf16"  # the same on weights and inputs rounded to bf16 (CPUs with AMX)
 PACKED_BF16_INT4 = "packed-bf16-int4"  # the same, and weights on a 4-bit grid from 4 bits at a few rows
-VALUES = (PACKED, PACKED_DENSE, PACKED_BF16, PACKED_BF16_INT4)
+PACKED_INT4 = "packed-int4"  # packed fp32, and weights on a 4-bit grid from 4 bits at a few rows (CPUs without AMX)
+VALUES = (PACKED, PACKED_DENSE, PACKED_BF16, PACKED_BF16_INT4, PACKED_INT4)
+FOUR_BIT = (PACKED_BF16_INT4, PACKED_INT4)  # the values that read 4-bit weights
 INT4_GROUP = 32  # weights along K that share a scale and zero (GGUF's Q4_0 / Q4_1 block)
 INT4_LEVELS = 15  # q in 0..15
 INT4_ROWS = 8  # products of at most this many rows read the 4-bit copy (measured crossover: 9-10 rows)
@@ -265,6 +271,11 @@ def bf16_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: A
 def bf16_int4_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     """`linear_hook` on bf16 weights, and 4-bit ones at a few rows ($SGLTTS_CPU_LINEAR=packed-bf16-int4)."""
     return linear_hook(original, method, layer, x, bias, bf16=True, int4=True)
+
+
+def int4_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """`linear_hook` on fp32 weights, and 4-bit ones at a few rows ($SGLTTS_CPU_LINEAR=packed-int4)."""
+    return linear_hook(original, method, layer, x, bias, int4=True)
 
 
 def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,

@@ -109,8 +109,10 @@ def register() -> None:
                                   cpu_linear.PACKED_BF16: (cpu_linear.bf16_linear_hook,
                                                            cpu_linear.bf16_lm_head_hook),
                                   cpu_linear.PACKED_BF16_INT4: (cpu_linear.bf16_int4_linear_hook,
-                                                                cpu_linear.bf16_lm_head_hook)}[linear]
-        if linear == cpu_linear.PACKED_BF16_INT4:
+                                                                cpu_linear.bf16_lm_head_hook),
+                                  cpu_linear.PACKED_INT4: (cpu_linear.int4_linear_hook,
+                                                           cpu_linear.lm_head_hook)}[linear]
+        if linear in cpu_linear.FOUR_BIT:
             cpu_linear.tell_int4(announce)
         switched_on.append(([(cpu_linear.LINEAR_TARGET, linear_hook, "AROUND"),
                              (cpu_linear.LM_HEAD_TARGET, head_hook, "AROUND"),
@@ -128,7 +130,7 @@ def register() -> None:
                    env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
         if all(kernels.values()):
             hook = lean_decode.make_forward_hook(bf16=linear in (cpu_linear.PACKED_BF16, cpu_linear.PACKED_BF16_INT4),
-                                                 int4=linear == cpu_linear.PACKED_BF16_INT4, announce=announce)
+                                                 int4=linear in cpu_linear.FOUR_BIT, announce=announce)
             switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
                                 f"lean decode installed on {lean_decode.TARGET}"))
         else:

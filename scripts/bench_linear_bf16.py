@@ -1,12 +1,14 @@
 """One decode step's linear layers of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down, then the LM head; random
 weights of the model's shapes, the layers' rounded as GGUF's Q4_1 writes them, as the model ships) through oneDNN on
 packed weights, fp32 against bf16 weights (`bf16_packed_linear`, the runtime's packed-bf16 product) and against the
-layers read from 4 bits (`int4_linear`, what packed-bf16-int4 computes at up to INT4_ROWS rows; the head in bf16),
-with SGLang's plain `F.linear` in fp32 beside them. The arms run interleaved; prints the median [min-max] ms per step
-at each row count, the bf16 head's relative error, the CPU (`cpu_summary`: bf16 is worth it only where it names
-amx_bf16) and the load.
+layers read from 4 bits (`int4_linear`: what packed-bf16-int4 computes at up to INT4_ROWS rows, the head in bf16,
+and what packed-int4 does, the head in fp32), with SGLang's plain `F.linear` in fp32 beside them. The arms run
+interleaved; prints the median [min-max] ms per step at each row count, the bf16 head's relative error, the CPU
+(`cpu_summary`: bf16 is worth it only where it names amx_bf16) and the load. Where oneDNN has no bf16 instructions
+the bf16 arms are left out.
 
     .venv/bin/python scripts/bench_linear_bf16.py [--threads 2] [--repeats 5] [--rows 1,4,8,10,16,64,256]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/bench_linear_bf16.py  # held to AVX2
 """
 
 from __future__ import annotations
@@ -37,14 +39,21 @@ def main() -> None:
     weights = [q4_1_round(torch.randn(n, k) * 0.02) for n, k in SHAPES[:-1]] + [torch.randn(*SHAPES[-1]) * 0.02]
     four_bits = [int4_weight(SimpleNamespace(weight=w)) for w in weights[:-1]]
     packed_fp32 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
     arms = {
         "fp32 F.linear": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
         "fp32 packed": lambda xs: [packed_linear(x, w) for x, w in zip(xs, packed_fp32)],
-        "bf16 packed": lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)],
-        "int4 layers": lambda xs: [int4_linear(x, w) for x, w in zip(xs, four_bits)]
-        + [bf16_packed_linear(xs[-1], packed_bf16[-1])],
+        "int4 layers fp32 head": lambda xs: [int4_linear(x, w) for x, w in zip(xs, four_bits)]
+        + [packed_linear(xs[-1], packed_fp32[-1])],
     }
+    try:
+        packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
+    except RuntimeError as exc:  # oneDNN without bf16 instructions (e.g. held to AVX2)
+        packed_bf16 = None
+        print(f"no bf16 arms: {exc}")
+    if packed_bf16 is not None:
+        arms["bf16 packed"] = lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)]
+        arms["int4 layers"] = lambda xs: ([int4_linear(x, w) for x, w in zip(xs, four_bits)]
+                                          + [bf16_packed_linear(xs[-1], packed_bf16[-1])])
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     for rows in (int(count) for count in args.rows.split(",")):
         inputs = [torch.randn(rows, k) for _, k in SHAPES]
@@ -56,13 +65,18 @@ def main() -> None:
                 start = time.perf_counter()
                 arm(inputs)
                 times[name].append((time.perf_counter() - start) * 1e3)
-        head = torch.nn.functional.linear(inputs[-1], weights[-1])
-        error = (bf16_packed_linear(inputs[-1], packed_bf16[-1]) - head).abs().max() / head.abs().max()
         cells = "  ".join(f"{name} {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}]" for name, t in times.items())
-        ratio = statistics.median(times["fp32 packed"]) / statistics.median(times["bf16 packed"])
-        int4_ratio = statistics.median(times["bf16 packed"]) / statistics.median(times["int4 layers"])
-        print(f"{rows:4d} rows  {cells}  fp32/bf16 packed {ratio:.2f}x  bf16/int4 {int4_ratio:.2f}x  "
-              f"bf16 head error {error:.1e}", flush=True)
+
+        def ratio(slower: str, faster: str) -> str:
+            return f"{slower}/{faster} {statistics.median(times[slower]) / statistics.median(times[faster]):.2f}x"
+
+        ratios = [ratio("fp32 packed", "int4 layers fp32 head")]
+        if packed_bf16 is not None:
+            head = torch.nn.functional.linear(inputs[-1], weights[-1])
+            error = (bf16_packed_linear(inputs[-1], packed_bf16[-1]) - head).abs().max() / head.abs().max()
+            ratios += [ratio("fp32 packed", "bf16 packed"), ratio("bf16 packed", "int4 layers"),
+                       f"bf16 head error {error:.1e}"]
+        print(f"{rows:4d} rows  {cells}  {'  '.join(ratios)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -119,24 +119,26 @@ def test_the_four_bit_product_is_the_brute_force_one_with_bf16_scales(rows):
     assert ((brute - exact).abs() <= x.bfloat16().double().abs() @ scale_error.T + 1e-12).all()
 
 
-def test_four_bit_weights_are_read_at_a_few_rows_and_bf16_ones_beyond():
+@pytest.mark.parametrize("hook, beyond", [
+    (cpu_linear.bf16_int4_linear_hook, lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
+    (cpu_linear.int4_linear_hook, lambda x, layer: packed_linear(x, packed_weight(layer)))],
+    ids=["packed-bf16-int4", "packed-int4"])
+def test_four_bit_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(hook, beyond):
     layer, _ = four_bit_layer(64, 576)
     heard = []
     cpu_linear.tell_int4(heard.append)
     sglang = lambda *args: "sglang"  # noqa: E731
     for rows in (1, cpu_linear.INT4_ROWS, cpu_linear.INT4_ROWS + 1, 32):
         x = torch.randn(rows, 576)
-        got = cpu_linear.bf16_int4_linear_hook(sglang, None, layer, x)
+        got = hook(sglang, None, layer, x)
         four_bits = cpu_linear.int4_linear(x, cpu_linear.int4_weight(layer))
-        bf16 = cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))
-        assert torch.equal(got, four_bits if rows <= cpu_linear.INT4_ROWS else bf16)
-        assert not torch.equal(four_bits, bf16)
+        assert torch.equal(got, four_bits if rows <= cpu_linear.INT4_ROWS else beyond(x, layer))
+        assert not torch.equal(four_bits, beyond(x, layer))
     assert heard == ["a product of 1 row(s) read its (64, 576) weight from 4 bits"]
-    plain = layer_of(64, 576)  # off the grid: bf16 at any size
+    plain = layer_of(64, 576)  # off the grid: the packed copy at any size
     x = torch.randn(1, 576)
-    assert torch.equal(cpu_linear.bf16_int4_linear_hook(sglang, None, plain, x),
-                       cpu_linear.bf16_packed_linear(x, packed_bf16_weight(plain)))
-    assert cpu_linear.bf16_int4_linear_hook(sglang, None, layer, x.bfloat16()) == "sglang"  # not an fp32 product
+    assert torch.equal(hook(sglang, None, plain, x), beyond(x, plain))
+    assert hook(sglang, None, layer, x.bfloat16()) == "sglang"  # not an fp32 product
 
 
 def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
@@ -297,7 +299,7 @@ def test_the_normalizer_hook_serves_only_a_process_whose_head_took_the_live_rows
     assert biased == "sglang's head", "a head with an embedding bias is SGLang's (the packed paths add none)"
 
 
-def test_cpu_runtimes_take_bf16_linear_layers_only_where_the_cpu_has_amx_bf16(monkeypatch):
+def test_cpu_runtimes_choose_their_linear_layers_by_the_cpus_flags(monkeypatch):
     from sgl_tts import env_names
     from sgl_tts.runtime import server
 
@@ -308,6 +310,8 @@ def test_cpu_runtimes_take_bf16_linear_layers_only_where_the_cpu_has_amx_bf16(mo
     assert server.server_env(kept)[env_names.CPU_LINEAR] == "packed"
     assert env_names.CPU_LINEAR not in server.server_env(server.RuntimeConfig(device="cuda"))
     monkeypatch.setattr(server, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})  # bf16 dot products, no AMX
+    assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed-int4"
+    monkeypatch.setattr(server, "cpu_flags", lambda: {"sse4_2"})  # no AVX2: torch's int4 kernel unvectorized
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed"
     monkeypatch.setenv(env_names.CPU_LINEAR, "sglang")  # the caller's environment wins
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "sglang"
@@ -359,11 +363,13 @@ def test_a_bf16_runtime_decodes_as_transformers_does_to_bf16s_precision(tiny_run
 
 
 @pytest.mark.runtime
-def test_a_four_bit_model_decodes_from_four_bits_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path):
+@pytest.mark.parametrize("linear", ["packed-bf16-int4", "packed-int4"])
+def test_a_four_bit_model_decodes_from_four_bits_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path,
+                                                                                          linear):
     """The tiny model with every decoder linear weight put on a Q4_1 grid (as a GGUF file's converted weights are),
-    served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default where the CPU has AMX): one request at a time reads
-    the 4-bit copies (the plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model to
-    within bf16's rounding."""
+    served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default where the CPU has AMX) or packed-int4 (where it has
+    AVX2 and no AMX): one request at a time reads the 4-bit copies (the plugin says so), and greedy decoding keeps
+    transformers' fp32 logprobs of that model to within bf16's rounding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sgl_tts import env_names
@@ -378,12 +384,11 @@ def test_a_four_bit_model_decodes_from_four_bits_as_transformers_does_to_bf16s_p
     folder = tmp_path / "tiny-four-bit"
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_runtime.model_path).save_pretrained(folder)
-    config = RuntimeConfig(model=str(folder), max_total_tokens=4096,
-                           env={env_names.CPU_LINEAR: cpu_linear.PACKED_BF16_INT4})
+    config = RuntimeConfig(model=str(folder), max_total_tokens=4096, env={env_names.CPU_LINEAR: linear})
     with Runtime.start(config, name="tiny-int4", log_dir=tmp_path) as int4_runtime:
         served = [greedy_logprobs(int4_runtime.url, ids) for ids in BF16_PROMPTS]
         log = int4_runtime.log_path.read_text()
-    assert "packed-bf16-int4 linear layers installed" in log
+    assert f"{linear} linear layers installed" in log
     assert "row(s) read its" in log and "weight from 4 bits" in log
     for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]

@@ -205,10 +205,13 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # the linear layers' speed at decode batches; in bf16 where the CPU has AMX tiles for it (decode 1.5x the
         # fp32 packed runtime's at 16 requests, 1.6x at 64, docs/runtime-speed.md); `env: {SGLTTS_CPU_LINEAR: packed}`
         # keeps fp32 there, `sglang` keeps SGLang's F.linear, and so does the variable set in the caller's environment.
-        # With AMX, weights a 4-bit quantization wrote (SmolLM2's layers, shipped as Q4_1) are read from 4 bits at
-        # up to 8 rows (decode 1.65x at one request, 1.42x at 8, docs/runtime-speed.md); `packed-bf16` reads bf16.
-        env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if AMX_BF16 in cpu_flags()
-                       else cpu_linear.PACKED)
+        # Weights a 4-bit quantization wrote (SmolLM2's layers, shipped as Q4_1) are read from 4 bits at up to 8 rows
+        # (with AMX: decode 1.65x at one request, 1.42x at 8; with torch and oneDNN held to AVX2: 1.93x and 1.62x the
+        # fp32 runtime; docs/runtime-speed.md);
+        # `packed-bf16` / `packed` read bf16 / fp32 at every size.
+        flags = cpu_flags()
+        env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if AMX_BF16 in flags
+                       else cpu_linear.PACKED_INT4 if "avx2" in flags else cpu_linear.PACKED)
         # RMSNorm and the rotary embedding in one compiled call each (policies/cpu_layers.py) instead of SGLang's
         # torch ops, whose dispatch is most of their cost at a search's rows; `env: {SGLTTS_CPU_LAYERS: torch}`.
         env.setdefault(env_names.CPU_LAYERS, cpu_layers.FUSED)
