@@ -171,8 +171,7 @@ def make_forward_hook(bf16: bool, int4: bool = False,
                       announce: Callable[[str], None] = lambda line: None) -> Callable[..., Any]:
     """An AROUND hook for `LlamaModel.forward`: `lean_forward` where `takes` says so (projections on bf16
     weights with `bf16`, and 4-bit ones at a few rows with `int4`, as the packed linear hook computes them),
-    SGLang's forward elsewhere. `announce` hears
-    once per process that a step was taken, or why a model is not."""
+    SGLang's forward elsewhere. `announce` hears once per process that a step was taken, or why a model is not."""
     told: set[str] = set()
 
     def tell(line: str) -> None:
