@@ -85,6 +85,7 @@ PACKED_BF16 = "packed-bf16"  # the same on weights and inputs rounded to bf16 (C
 PACKED_BF16_INT4 = "packed-bf16-int4"  # the same, and weights on a 4-bit grid from 4 bits at a few rows
 PACKED_INT4 = "packed-int4"  # packed fp32, and weights on a 4-bit grid from 4 bits at a few rows (CPUs without AMX)
 VALUES = (PACKED, PACKED_DENSE, PACKED_BF16, PACKED_BF16_INT4, PACKED_INT4)
+BF16 = (PACKED_BF16, PACKED_BF16_INT4)  # the values whose packed copies are bf16
 FOUR_BIT = (PACKED_BF16_INT4, PACKED_INT4)  # the values that read 4-bit weights
 INT4_GROUP = 32  # weights along K that share a scale and zero (GGUF's Q4_0 / Q4_1 block)
 INT4_LEVELS = 15  # q in 0..15
@@ -132,27 +133,31 @@ def four_bit_grid(weight: Any) -> tuple[Any, Any, Any] | None:
     if columns % INT4_GROUP:
         return None
     groups = weight.float().reshape(rows, columns // INT4_GROUP, INT4_GROUP)
-    low = groups.amin(dim=-1)
-    step = (groups.amax(dim=-1) - low) / INT4_LEVELS
-    safe_step = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round((groups - low[..., None]) / safe_step[..., None]).clamp(0, INT4_LEVELS)
-    off_grid = (groups - (low[..., None] + step[..., None] * q)).abs() > GRID_TOLERANCE * step[..., None]
-    if bool(off_grid.any()):
+    low = groups.amin(dim=-1, keepdim=True)
+    step = (groups.amax(dim=-1, keepdim=True) - low) / INT4_LEVELS
+    q = grid_levels(groups, low, step)
+    if bool(((groups - (low + step * q)).abs() > GRID_TOLERANCE * step).any()):
         return None
-    return q.to(torch.int32).reshape(rows, columns), step, low
+    return q.to(torch.int32).reshape(rows, columns), step[..., 0], low[..., 0]
+
+
+def grid_levels(groups: Any, low: Any, step: Any) -> Any:
+    """round((w - m) / d) in 0..INT4_LEVELS for the weights [N, K / INT4_GROUP, INT4_GROUP] of groups with least
+    value m and step d (each [..., 1]); 0 in a group of one value (d = 0)."""
+    import torch
+
+    return torch.round((groups - low) / torch.where(step > 0, step, torch.ones_like(step))).clamp(0, INT4_LEVELS)
 
 
 def q4_1_round(weight: Any) -> Any:
     """`weight` [N, K] rounded as GGUF's Q4_1 quantizer writes it (per group of INT4_GROUP along K: m = fp16(min w),
     d = fp16((max w - min w) / 15), q = round((w - m) / d) in 0..15), as the converted fp32 weight it reads back,
     m + d q: a weight on the grid `four_bit_grid` finds. For benches and tests of the 4-bit path."""
-    import torch
-
     groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
-    low = groups.amin(dim=-1, keepdim=True).half().float()
-    step = ((groups.amax(dim=-1, keepdim=True) - groups.amin(dim=-1, keepdim=True)) / INT4_LEVELS).half().float()
-    q = torch.round((groups - low) / torch.where(step > 0, step, torch.ones_like(step))).clamp(0, INT4_LEVELS)
-    return (low + step * q).reshape(weight.shape)
+    least = groups.amin(dim=-1, keepdim=True)
+    low = least.half().float()
+    step = ((groups.amax(dim=-1, keepdim=True) - least) / INT4_LEVELS).half().float()
+    return (low + step * grid_levels(groups, low, step)).reshape(weight.shape)
 
 
 def int4_weight(module: Any) -> tuple[Any, Any] | None:

@@ -129,8 +129,8 @@ def register() -> None:
                    env_names.CPU_LINEAR: linear in cpu_linear.VALUES,
                    env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
         if all(kernels.values()):
-            hook = lean_decode.make_forward_hook(bf16=linear in (cpu_linear.PACKED_BF16, cpu_linear.PACKED_BF16_INT4),
-                                                 int4=linear in cpu_linear.FOUR_BIT, announce=announce)
+            hook = lean_decode.make_forward_hook(bf16=linear in cpu_linear.BF16, int4=linear in cpu_linear.FOUR_BIT,
+                                                 announce=announce)
             switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
                                 f"lean decode installed on {lean_decode.TARGET}"))
         else:

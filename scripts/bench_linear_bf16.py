@@ -39,11 +39,14 @@ def main() -> None:
     weights = [q4_1_round(torch.randn(n, k) * 0.02) for n, k in SHAPES[:-1]] + [torch.randn(*SHAPES[-1]) * 0.02]
     four_bits = [int4_weight(SimpleNamespace(weight=w)) for w in weights[:-1]]
     packed_fp32 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+
+    def int4_layers(xs: list) -> list:
+        return [int4_linear(x, w) for x, w in zip(xs, four_bits)]
+
     arms = {
         "fp32 F.linear": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
         "fp32 packed": lambda xs: [packed_linear(x, w) for x, w in zip(xs, packed_fp32)],
-        "int4 layers fp32 head": lambda xs: [int4_linear(x, w) for x, w in zip(xs, four_bits)]
-        + [packed_linear(xs[-1], packed_fp32[-1])],
+        "int4 layers fp32 head": lambda xs: int4_layers(xs) + [packed_linear(xs[-1], packed_fp32[-1])],
     }
     try:
         packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
@@ -52,8 +55,7 @@ def main() -> None:
         print(f"no bf16 arms: {exc}")
     if packed_bf16 is not None:
         arms["bf16 packed"] = lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)]
-        arms["int4 layers"] = lambda xs: ([int4_linear(x, w) for x, w in zip(xs, four_bits)]
-                                          + [bf16_packed_linear(xs[-1], packed_bf16[-1])])
+        arms["int4 layers"] = lambda xs: int4_layers(xs) + [bf16_packed_linear(xs[-1], packed_bf16[-1])]
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     for rows in (int(count) for count in args.rows.split(",")):
         inputs = [torch.randn(rows, k) for _, k in SHAPES]

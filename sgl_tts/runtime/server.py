@@ -42,6 +42,7 @@ CPU_CONTINUOUS_DECODE_STEPS = 4
 # rank's, so that a small planned budget is not cut into pieces a long request no longer fits.
 MIN_RANK_TOKENS = 8192
 AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tiles: a CPU runtime's linear layers run in bf16
+AVX2 = "avx2"  # the /proc/cpuinfo flag torch's int4 kernel is vectorized for: 4-bit weights at a few rows
 
 
 class RuntimeStartError(RuntimeError):
@@ -211,7 +212,7 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # `packed-bf16` / `packed` read bf16 / fp32 at every size.
         flags = cpu_flags()
         env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if AMX_BF16 in flags
-                       else cpu_linear.PACKED_INT4 if "avx2" in flags else cpu_linear.PACKED)
+                       else cpu_linear.PACKED_INT4 if AVX2 in flags else cpu_linear.PACKED)
         # RMSNorm and the rotary embedding in one compiled call each (policies/cpu_layers.py) instead of SGLang's
         # torch ops, whose dispatch is most of their cost at a search's rows; `env: {SGLTTS_CPU_LAYERS: torch}`.
         env.setdefault(env_names.CPU_LAYERS, cpu_layers.FUSED)
