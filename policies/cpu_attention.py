@@ -76,7 +76,7 @@ def paged_kernel() -> Any:
     return build_kernel(KERNEL_SOURCE.read_bytes())
 
 
-def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE) -> Any:
+def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool = False) -> Any:
     """The extension compiled from the C++ source `text` of `source_file` (KERNEL_SOURCE's, another version of it to
     measure against: scripts/bench_attention.py, or policies/cpu_layers.cpp), or None when it cannot be built. Built
     into the cache under a name that carries the file's stem, the CPU's SIMD level and the source's hash (a cache
@@ -91,8 +91,12 @@ def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE) -> Any:
     from sgl_tts.paths import write_atomic
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    name = f"sgltts_{source_file.stem}_{level.lower()}_{hashlib.sha256(text).hexdigest()[:10]}"
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
+    # at::parallel_for splits its range over torch's OpenMP threads only in code compiled with OpenMP (the library
+    # it links is the one torch loaded); without it a call runs on the calling thread.
+    openmp = ["-fopenmp"] if threads else []
+    key = hashlib.sha256(text + " ".join(openmp).encode()).hexdigest()[:10]
+    name = f"sgltts_{source_file.stem}_{level.lower()}_{key}"
     build = Path(cache_root()) / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     # Built from a copy beside the build: ninja rebuilds when a source's path changes, and every checkout (a
@@ -103,7 +107,8 @@ def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE) -> Any:
     if shutil.which("ninja") is None:  # torch builds with ninja, installed beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
-        return load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(build))
+        return load(name=name, sources=[str(source)], extra_cflags=flags + openmp, extra_ldflags=openmp,
+                    build_directory=str(build))
     except Exception as exc:  # no compiler, a failed build: the torch path instead
         logging.getLogger(__name__).warning("%s not built (%s); the torch paths run instead", source_file.name,
                                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -45,35 +45,38 @@ head. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX:
 ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
 `sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
 
-Weights that a 4-bit quantization wrote are read from their 4 bits at a few rows. SmolLM2-135M's decoder layers
-ship as GGUF Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the quantizer sets m to
-the group's least weight and d to its range / 15, so q = 0 and q = 15 both occur), and the converted fp32 weight
-keeps that grid. With $SGLTTS_CPU_LINEAR=packed-bf16-int4 each weight is checked for it once, and where every group
-is on it the weight is kept a second time as its q with a bf16 scale and zero per group (torch's int4 CPU layout):
+Weights that a quantizer wrote are read from the bits it wrote them in, at a few rows. SmolLM2-135M ships as GGUF
+with its decoder layers in Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the
+quantizer sets m to the group's least weight and d to its range / 15, so q = 0 and q = 15 both occur) and its
+embedding, which is its LM head, in Q8_0 (each group of 32 is d q, q in -127..127, fp16 d = the group's largest
+|w| / 127); the converted fp32 weights keep those grids. With $SGLTTS_CPU_LINEAR=packed-bf16-int4 or packed-int4
+each weight is checked once for either grid, and where every group is on it (and the fp16 d and m hold it) the
+weight is kept again as its q with fp16 d (and m) per group, in tiles of 16 outputs (`grid_tiles`):
 
-    per group:  m = min w,  d = (max w - m) / 15,  q = round((w - m) / d)      on the grid: |w - (m + d q)| <= d/1000
-    y = bf16(x) W'^T,   W' = (q - 8) bf16(d) + bf16(m + 8 d)                    torch's _weight_int4pack_mm_for_cpu
+    4-bit, per group:  m = min w,  d = (max w - m) / 15,  q = round((w - m) / d)    |w - (m + d q)| <= d/1000
+    8-bit, per group:  d = max |w| / 127,  q = round(w / d)                          |w - d q| <= d/1000
+    y[r, n] = sum_g ( d[n, g] sum_{k in g} q[n, k] x[r, k]  +  m[n, g] sum_{k in g} x[r, k] )     in fp32
 
-W' differs from W by the two bf16 roundings (<= 2^-8 of d and of the group's midpoint each), as bf16(W) differs by
-one of W. The int4 copy is a quarter of the bf16 copy's bytes, but the kernel unpacks it for every row: one decode
-step's linear layers of SmolLM2-135M (its 210 decoder weights from 4 bits, the LM head in bf16) on a 2-core Xeon
-with AMX, 2 threads, took 19.7 / 23.7 / 30.6 / 38.0 / 49.5 ms at 1 / 4 / 8 / 10 / 16 rows against 35.3 / 35.9 / 37.4
-/ 38.5 / 42.0 with every weight in bf16 (`scripts/bench_linear_bf16.py`; one thread: the same crossover), so
-products of at most INT4_ROWS rows take it, larger ones the packed bf16 copy (`docs/runtime-speed.md`). Weights off
-the grid (the LM head, which ships as Q8_0; any fp32 model) keep bf16. On a CPU without AMX, `packed-int4` does the
-same beside the packed fp32 copy (the 4-bit product still rounds its input and result to bf16): with torch and oneDNN
-held to AVX2 on that Xeon, one step's linear layers (the head in fp32) took 17.8 / 25.2 / 36.5 / 58.9 ms at 1 / 4 / 8
-/ 16 rows against 41.1 / 53.0 / 60.5 / 70.6 all in fp32.
+(`policies/grid_linear.cpp`: the 4 or 8 bits of a tile unpacked once in vector registers for up to 8 rows of x).
+The weights are the fp32 weights themselves, and x and y stay fp32: the product is the fp32 product in another
+summation order (~1e-7 relative), where the bf16 copy rounds x, W and y (~4e-3). A 4-bit weight is a quarter of
+the bf16 copy's bytes, an 8-bit one half, but every row costs its multiply-adds on the vector units where oneDNN's
+bf16 product of many rows runs on AMX's tiles: one decode step's linear layers of SmolLM2-135M (its 120 decoder
+products from 4 bits, the head from 8) on a 2-core Xeon with AMX, 2 threads, took (MEASURED below) so products of at
+most INT4_ROWS rows read a 4-bit weight and of at most INT8_ROWS an 8-bit one, larger ones the packed bf16 copy
+(`scripts/bench_linear_bf16.py`, `docs/runtime-speed.md`). On a CPU without AMX, `packed-int4` does the same beside
+the packed fp32 copy. Weights on neither grid (any fp32 model) keep the packed copy.
 
-The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_LINEAR=packed, packed-bf16, packed-bf16-int4 or
-packed-int4
-(`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every head whole, to measure the
-live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
+The plugin (`policies/plugin.py`) installs the hooks (`hooks_for`) with $SGLTTS_CPU_LINEAR=packed, packed-bf16,
+packed-bf16-int4 or packed-int4 (`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every
+head whole, to measure the live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
 LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any, Callable
 
 LINEAR_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
@@ -82,23 +85,29 @@ NORMALIZER_TARGET = "sglang.srt.layers.logprob_processor.compute_row_log_normali
 PACKED = "packed"  # the value of $SGLTTS_CPU_LINEAR that installs them
 PACKED_DENSE = "packed-dense"  # the same with every head packed whole (to measure the live-rows head against)
 PACKED_BF16 = "packed-bf16"  # the same on weights and inputs rounded to bf16 (CPUs with AMX)
-PACKED_BF16_INT4 = "packed-bf16-int4"  # the same, and weights on a 4-bit grid from 4 bits at a few rows
-PACKED_INT4 = "packed-int4"  # packed fp32, and weights on a 4-bit grid from 4 bits at a few rows (CPUs without AMX)
+PACKED_BF16_INT4 = "packed-bf16-int4"  # the same, and weights on a 4- or 8-bit grid from those bits at a few rows
+PACKED_INT4 = "packed-int4"  # packed fp32, and weights on a 4- or 8-bit grid from those bits at a few rows (no AMX)
 VALUES = (PACKED, PACKED_DENSE, PACKED_BF16, PACKED_BF16_INT4, PACKED_INT4)
 BF16 = (PACKED_BF16, PACKED_BF16_INT4)  # the values whose packed copies are bf16
-FOUR_BIT = (PACKED_BF16_INT4, PACKED_INT4)  # the values that read 4-bit weights
-INT4_GROUP = 32  # weights along K that share a scale and zero (GGUF's Q4_0 / Q4_1 block)
+FOUR_BIT = (PACKED_BF16_INT4, PACKED_INT4)  # the values that read weights from their 4- or 8-bit grids
+GRID_GROUP = 32  # weights along K that share a scale (and a zero): GGUF's Q4_1 and Q8_0 block
 INT4_LEVELS = 15  # q in 0..15
-INT4_ROWS = 8  # products of at most this many rows read the 4-bit copy (measured crossover: 9-10 rows)
+INT8_LEVELS = 127  # q in -127..127
+TILE = 16  # outputs per tile of a grid weight (the kernel's vector lanes)
+# The most rows a product reads a weight's grid at, by its bits, beside a packed bf16 copy (AMX) or an fp32 one:
+# below the measured crossovers (module docstring).
+GRID_ROWS = {True: {4: 16, 8: 8}, False: {4: 24, 8: 24}}
 GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
+GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
 _BF16_CACHE = "_sgltts_packed_bf16_weight"  # module attribute: (the weight's identity, its packed bf16 copy)
-_INT4_CACHE = "_sgltts_int4_weight"  # module attribute: (the weight's identity, (packed q, scales and zeros) or None)
+_INT4_CACHE = "_sgltts_int4_weight"  # module attribute: (the weight's identity, its 4-bit tiles or None)
+_INT8_CACHE = "_sgltts_int8_weight"  # module attribute: (the weight's identity, its 8-bit tiles or None)
 _ROWS_CACHE = "_sgltts_live_rows"  # module attribute: (the weight's identity, (live rows, their weights) or None)
 SPARSE_HEAD_SHARE = 1 / 64  # at most this share of a head's rows live: computed on those rows alone
 PLAIN_LM_HEAD_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
 _sparse_head: list[Any] = []  # (live rows, vocabulary size) once this process's head took the live-rows path
-_int4_listeners: list[Callable[[str], None]] = []  # hear once that a product read a 4-bit weight (`tell_int4`)
+_grid_listeners: list[Callable[[str], None]] = []  # hear once that a product read a grid weight (`tell_grid_read`)
 
 
 def applies(x: Any, weight: Any) -> bool:
@@ -125,14 +134,14 @@ def packed_bf16_weight(module: Any) -> Any:
 
 
 def four_bit_grid(weight: Any) -> tuple[Any, Any, Any] | None:
-    """(q [N, K] int32 in 0..INT4_LEVELS, d [N, K / INT4_GROUP], m [N, K / INT4_GROUP]) with weight = m + d q per
-    group of INT4_GROUP along K (to GRID_TOLERANCE of d), or None when the weight is not on such a grid."""
+    """(q [N, K] int32 in 0..INT4_LEVELS, d [N, K / GRID_GROUP], m [N, K / GRID_GROUP]) with weight = m + d q per
+    group of GRID_GROUP along K (to GRID_TOLERANCE of d), or None when the weight is not on such a grid."""
     import torch
 
     rows, columns = weight.shape
-    if columns % INT4_GROUP:
+    if columns % GRID_GROUP:
         return None
-    groups = weight.float().reshape(rows, columns // INT4_GROUP, INT4_GROUP)
+    groups = weight.float().reshape(rows, columns // GRID_GROUP, GRID_GROUP)
     low = groups.amin(dim=-1, keepdim=True)
     step = (groups.amax(dim=-1, keepdim=True) - low) / INT4_LEVELS
     q = grid_levels(groups, low, step)
@@ -142,7 +151,7 @@ def four_bit_grid(weight: Any) -> tuple[Any, Any, Any] | None:
 
 
 def grid_levels(groups: Any, low: Any, step: Any) -> Any:
-    """round((w - m) / d) in 0..INT4_LEVELS for the weights [N, K / INT4_GROUP, INT4_GROUP] of groups with least
+    """round((w - m) / d) in 0..INT4_LEVELS for the weights [N, K / GRID_GROUP, GRID_GROUP] of groups with least
     value m and step d (each [..., 1]); 0 in a group of one value (d = 0)."""
     import torch
 
@@ -150,49 +159,113 @@ def grid_levels(groups: Any, low: Any, step: Any) -> Any:
 
 
 def q4_1_round(weight: Any) -> Any:
-    """`weight` [N, K] rounded as GGUF's Q4_1 quantizer writes it (per group of INT4_GROUP along K: m = fp16(min w),
+    """`weight` [N, K] rounded as GGUF's Q4_1 quantizer writes it (per group of GRID_GROUP along K: m = fp16(min w),
     d = fp16((max w - min w) / 15), q = round((w - m) / d) in 0..15), as the converted fp32 weight it reads back,
     m + d q: a weight on the grid `four_bit_grid` finds. For benches and tests of the 4-bit path."""
-    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    groups = weight.float().reshape(weight.shape[0], -1, GRID_GROUP)
     least = groups.amin(dim=-1, keepdim=True)
     low = least.half().float()
     step = ((groups.amax(dim=-1, keepdim=True) - least) / INT4_LEVELS).half().float()
     return (low + step * grid_levels(groups, low, step)).reshape(weight.shape)
 
 
-def int4_weight(module: Any) -> tuple[Any, Any] | None:
-    """`module.weight` in torch's int4 CPU layout (packed q, bf16 scales and zeros [K / INT4_GROUP, N, 2]) when it
-    is on a 4-bit grid (`four_bit_grid`) of a shape the kernel takes (N a multiple of 16), else None; found once per
-    weight, and again after it changed."""
+def eight_bit_grid(weight: Any) -> tuple[Any, Any] | None:
+    """(q [N, K] int8 in -INT8_LEVELS..INT8_LEVELS, d [N, K / GRID_GROUP]) with weight = d q per group of
+    GRID_GROUP along K (to GRID_TOLERANCE of d), or None when the weight is not on such a grid."""
     import torch
 
-    def derive(weight: Any) -> tuple[Any, Any] | None:
-        grid = four_bit_grid(weight) if weight.dim() == 2 and weight.shape[0] % 16 == 0 else None
-        if grid is None:
+    rows, columns = weight.shape
+    if columns % GRID_GROUP:
+        return None
+    groups = weight.float().reshape(rows, columns // GRID_GROUP, GRID_GROUP)
+    step = groups.abs().amax(dim=-1, keepdim=True) / INT8_LEVELS
+    q = torch.round(groups / torch.where(step > 0, step, torch.ones_like(step)))
+    if bool(((groups - step * q).abs() > GRID_TOLERANCE * step).any()):
+        return None
+    return q.to(torch.int8).reshape(rows, columns), step[..., 0]
+
+
+@functools.lru_cache(maxsize=None)
+def grid_kernels() -> Any:
+    """The compiled products of GRID_KERNEL_SOURCE for this CPU (threaded), or None when they cannot be built."""
+    from policies.cpu_attention import build_kernel
+
+    return build_kernel(GRID_KERNEL_SOURCE.read_bytes(), GRID_KERNEL_SOURCE, threads=True)
+
+
+def by_tile(values: Any) -> Any:
+    """[N, G, ...] per output -> [N / TILE, G, ..., TILE]: the layout of the kernel's tiles."""
+    tiles = values.reshape(values.shape[0] // TILE, TILE, *values.shape[1:])
+    return tiles.permute(0, *range(2, tiles.dim()), 1).contiguous()
+
+
+def grid_tiles(weight: Any) -> tuple[Any, Any] | None:
+    """`weight` [N, K] on a 4-bit grid as (packed [N / TILE, K / 2, TILE] uint8, two q a byte, scales [N / TILE,
+    K / GRID_GROUP, 2, TILE] fp16: d and m), or on an 8-bit grid as (packed [N / TILE, K, TILE] int8, scales
+    [N / TILE, K / GRID_GROUP, TILE] fp16: d); None when it is on neither, or N is not a multiple of TILE, or the
+    fp16 scales would move a weight off its grid."""
+    import torch
+
+    if weight.dim() != 2 or weight.shape[0] % TILE:
+        return None
+    four_bits = four_bit_grid(weight)
+    if four_bits is not None:
+        q, step, low = four_bits
+        step, low = step.half(), low.half()
+        levels = torch.stack([q[:, 0::2], q[:, 1::2]], dim=-1).to(torch.uint8)  # [N, K / 2, 2]: q[2p], q[2p + 1]
+        packed = by_tile(levels[..., 0] | (levels[..., 1] << 4))
+        scales, grid = by_tile(torch.stack([step, low], dim=-1)), (step.float(), low.float(), q)
+    else:
+        eight_bits = eight_bit_grid(weight)
+        if eight_bits is None:
             return None
-        q, step, low = grid
-        zero = low + (INT4_LEVELS + 1) // 2 * step  # the kernel computes (q - 8) scale + zero
-        scales_and_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
+        q, step = eight_bits
+        step = step.half()
+        packed, scales, grid = by_tile(q), by_tile(step), (step.float(), torch.zeros_like(step.float()), q)
+    step, low, q = grid
+    rebuilt = low.repeat_interleave(GRID_GROUP, 1) + step.repeat_interleave(GRID_GROUP, 1) * q.float()
+    if bool(((weight.float() - rebuilt).abs() > GRID_TOLERANCE * step.repeat_interleave(GRID_GROUP, 1)).any()):
+        return None
+    return packed, scales
 
-    return per_weight(module, _INT4_CACHE, derive)
 
-
-def int4_linear(x: Any, int4: tuple[Any, Any], bias: Any = None) -> Any:
-    """fp32 x [..., K] rounded to bf16, times the 4-bit weight (`int4_weight`) transposed (a bf16 result), in fp32,
-    plus bias."""
+def q8_0_round(weight: Any) -> Any:
+    """`weight` [N, K] rounded as GGUF's Q8_0 quantizer writes it (per group of GRID_GROUP along K: d = fp16(max |w|
+    / 127), q = round(w / d) in -127..127), as the converted fp32 weight it reads back, d q: a weight on the grid
+    `eight_bit_grid` finds. For benches and tests of the 8-bit path."""
     import torch
 
-    packed, scales_and_zeros = int4
-    rows = x.reshape(-1, x.shape[-1]).bfloat16()
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros).float()
+    groups = weight.float().reshape(weight.shape[0], -1, GRID_GROUP)
+    step = (groups.abs().amax(dim=-1, keepdim=True) / INT8_LEVELS).half().float()
+    q = torch.round(groups / torch.where(step > 0, step, torch.ones_like(step))).clamp(-INT8_LEVELS, INT8_LEVELS)
+    return (step * q).reshape(weight.shape)
+
+
+def grid_weight(module: Any) -> tuple[Any, Any] | None:
+    """`module.weight`'s tiles (`grid_tiles`) when it is on a 4- or 8-bit grid and the kernel is built, else None;
+    found once per weight, and again after it changed."""
+    if grid_kernels() is None:
+        return None
+    return per_weight(module, _INT4_CACHE, grid_tiles)
+
+
+def grid_bits(tiles: tuple[Any, Any]) -> int:
+    """4 or 8: the bits a weight's tiles (`grid_tiles`) keep its q in."""
+    return 4 if tiles[1].dim() == 4 else 8
+
+
+def grid_linear(x: Any, tiles: tuple[Any, Any], bias: Any = None) -> Any:
+    """fp32 x [..., K] times the weight of `tiles` (`grid_tiles`) transposed, in fp32, plus bias."""
+    kernels = grid_kernels()
+    product = kernels.four_bit_linear if grid_bits(tiles) == 4 else kernels.eight_bit_linear
+    out = product(x.reshape(-1, x.shape[-1]).contiguous(), *tiles)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 
-def tell_int4(listener: Callable[[str], None]) -> None:
-    """`listener` hears, once in this process, the first product that reads a 4-bit weight."""
-    _int4_listeners.append(listener)
+def tell_grid_read(listener: Callable[[str], None]) -> None:
+    """`listener` hears, once in this process, the first product that reads a weight from its grid."""
+    _grid_listeners.append(listener)
 
 
 def per_weight(module: Any, attribute: str, derive: Callable[[Any], Any]) -> Any:
@@ -245,49 +318,44 @@ def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
     return out if bias is None else out + bias
 
 
-def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, int4: bool = False) -> Any:
+def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grids: bool = False) -> Any:
     """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its packed bf16 one; with
-    `int4`, at most INT4_ROWS rows on its 4-bit copy where it has one."""
-    if int4:
-        four_bits = int4_weight(module)  # found on the first call, whatever its rows
-        if four_bits is not None and x.numel() <= INT4_ROWS * x.shape[-1]:
-            while _int4_listeners:
-                _int4_listeners.pop()(f"a product of {x.numel() // x.shape[-1]} row(s) read its "
-                                      f"{tuple(module.weight.shape)} weight from 4 bits")
-            return int4_linear(x, four_bits, bias)
+    `grids`, a product of at most GRID_ROWS rows from the weight's 4- or 8-bit grid where it has one."""
+    if grids:
+        tiles = grid_weight(module)  # found on the first call, whatever its rows
+        rows = x.numel() // x.shape[-1]
+        if tiles is not None and rows <= GRID_ROWS[bf16][grid_bits(tiles)]:
+            while _grid_listeners:
+                _grid_listeners.pop()(f"a product of {rows} row(s) read its {tuple(module.weight.shape)} weight "
+                                      f"from {grid_bits(tiles)} bits")
+            return grid_linear(x, tiles, bias)
     if bf16:
         return bf16_packed_linear(x, packed_bf16_weight(module), bias)
     return packed_linear(x, packed_weight(module), bias)
 
 
 def linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None,
-                bf16: bool = False, int4: bool = False) -> Any:
+                bf16: bool = False, grids: bool = False) -> Any:
     """An AROUND hook for `UnquantizedLinearMethod.apply(layer, x, bias)`."""
     if getattr(layer, "use_intel_amx_backend", False) or not applies(x, layer.weight):
         return original(method, layer, x, bias)
-    return dense_linear(x, layer, bias, bf16, int4)
+    return dense_linear(x, layer, bias, bf16, grids)
 
 
-def bf16_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
-    """`linear_hook` on bf16 weights ($SGLTTS_CPU_LINEAR=packed-bf16)."""
-    return linear_hook(original, method, layer, x, bias, bf16=True)
-
-
-def bf16_int4_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
-    """`linear_hook` on bf16 weights, and 4-bit ones at a few rows ($SGLTTS_CPU_LINEAR=packed-bf16-int4)."""
-    return linear_hook(original, method, layer, x, bias, bf16=True, int4=True)
-
-
-def int4_linear_hook(original: Callable[..., Any], method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
-    """`linear_hook` on fp32 weights, and 4-bit ones at a few rows ($SGLTTS_CPU_LINEAR=packed-int4)."""
-    return linear_hook(original, method, layer, x, bias, int4=True)
+def hooks_for(value: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The hooks of the linear layers and of the LM head that `value` of $SGLTTS_CPU_LINEAR installs."""
+    bf16, grids = value in BF16, value in FOUR_BIT
+    return (functools.partial(linear_hook, bf16=bf16, grids=grids),
+            functools.partial(lm_head_hook, sparse_heads=value != PACKED_DENSE, bf16=bf16, grids=grids))
 
 
 def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
-                 embedding_bias: Any = None, sparse_heads: bool = True, bf16: bool = False, **kwargs: Any) -> Any:
+                 embedding_bias: Any = None, sparse_heads: bool = True, bf16: bool = False, grids: bool = False,
+                 **kwargs: Any) -> Any:
     """An AROUND hook for `LogitsProcessor._compute_lm_head`: the plain head (an unquantized weight, no LoRA, no
     fp32-upcast or RL settings) on its live rows when it has few (`sparse_heads`), else through `dense_linear`
-    (on bf16 weights with `bf16`); every other head through SGLang's code."""
+    (on bf16 weights with `bf16`, from its grid at a few rows with `grids`); every other head through SGLang's
+    code."""
     plain = (type(getattr(lm_head, "quant_method", None)).__name__ in PLAIN_LM_HEAD_METHODS
              and not hasattr(lm_head, "set_lora") and hasattr(lm_head, "weight")
              and not getattr(lm_head, "use_intel_amx_backend", False)
@@ -300,7 +368,7 @@ def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: An
         _sparse_head[:] = [sparse[0], lm_head.weight.shape[0]]
         return sparse_rows_linear(hidden_states, *sparse, lm_head.weight.shape[0])
     _sparse_head.clear()
-    return dense_linear(hidden_states, lm_head, bf16=bf16)
+    return dense_linear(hidden_states, lm_head, bf16=bf16, grids=grids)
 
 
 def sparse_row_log_normalizer(logits: Any, rows: Any) -> tuple[Any, Any]:
@@ -319,15 +387,3 @@ def normalizer_hook(original: Callable[..., Any], logits: Any) -> Any:
     if not _sparse_head or logits.dim() != 2 or logits.shape[-1] != _sparse_head[1] or logits.is_cuda:
         return original(logits)
     return sparse_row_log_normalizer(logits, _sparse_head[0])
-
-
-def dense_lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
-                       embedding_bias: Any = None, **kwargs: Any) -> Any:
-    """`lm_head_hook` with every plain head packed whole ($SGLTTS_CPU_LINEAR=packed-dense)."""
-    return lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias, sparse_heads=False, **kwargs)
-
-
-def bf16_lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: Any, lm_head: Any,
-                      embedding_bias: Any = None, **kwargs: Any) -> Any:
-    """`lm_head_hook` with a dense head on bf16 weights ($SGLTTS_CPU_LINEAR=packed-bf16)."""
-    return lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias, bf16=True, **kwargs)

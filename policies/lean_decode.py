@@ -117,7 +117,7 @@ def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_
 
 
 def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any, layer_captures: list[Any],
-                 bf16: bool, int4: bool = False) -> Any:
+                 bf16: bool, grids: bool = False) -> Any:
     """The decode step of `model` (the module docstring's loop): the final norm's output [batch, hidden]."""
     import torch
 
@@ -147,7 +147,7 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
             x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
         if capture is not None:
             capture(residual, forward_batch)
-        qkv = dense_linear(x, attention.qkv_proj, attention.qkv_proj.bias, bf16, int4)
+        qkv = dense_linear(x, attention.qkv_proj, attention.qkv_proj.bias, bf16, grids)
         q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
         rotary = attention.rotary_emb
         q, k = kernels.rotary(positions, q, k, rotary.cos_sin_cache, rotary.head_size, bool(rotary.is_neox_style))
@@ -157,21 +157,22 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
         out = torch.empty_like(q)
         attend(q, out, pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id), req_to_token,
                req_pool_indices, seq_lens, one_token_each, float(attn.scaling))
-        hidden = dense_linear(out.view(len(q), -1), attention.o_proj, attention.o_proj.bias, bf16, int4)
+        hidden = dense_linear(out.view(len(q), -1), attention.o_proj, attention.o_proj.bias, bf16, grids)
         norm = layer.post_attention_layernorm
         x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-        gate_up = dense_linear(x, mlp.gate_up_proj, mlp.gate_up_proj.bias, bf16, int4)
+        gate_up = dense_linear(x, mlp.gate_up_proj, mlp.gate_up_proj.bias, bf16, grids)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = dense_linear(torch.nn.functional.silu(gate) * up, mlp.down_proj, mlp.down_proj.bias, bf16, int4)
+        hidden = dense_linear(torch.nn.functional.silu(gate) * up, mlp.down_proj, mlp.down_proj.bias, bf16, grids)
     norm = model.norm
     return kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def make_forward_hook(bf16: bool, int4: bool = False,
+def make_forward_hook(bf16: bool, grids: bool = False,
                       announce: Callable[[str], None] = lambda line: None) -> Callable[..., Any]:
     """An AROUND hook for `LlamaModel.forward`: `lean_forward` where `takes` says so (projections on bf16
-    weights with `bf16`, and 4-bit ones at a few rows with `int4`, as the packed linear hook computes them),
-    SGLang's forward elsewhere. `announce` hears once per process that a step was taken, or why a model is not."""
+    weights with `bf16`, and from their 4- or 8-bit grids at a few rows with `grids`, as the packed linear hook
+    computes them), SGLang's forward elsewhere. `announce` hears once per process that a step was taken, or why a
+    model is not."""
     told: set[str] = set()
 
     def tell(line: str) -> None:
@@ -189,6 +190,6 @@ def make_forward_hook(bf16: bool, int4: bool = False,
                 tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
         tell(f"lean decode took a step ({len(model.layers)} layers)")
-        return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, int4)
+        return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 
     return forward

@@ -104,16 +104,9 @@ def register() -> None:
         switched_on.append((hooks, f"{attention} attention installed on {targets}; {idle_wait.TARGET} waits for "
                                    f"requests"))
     if linear in cpu_linear.VALUES:
-        linear_hook, head_hook = {cpu_linear.PACKED: (cpu_linear.linear_hook, cpu_linear.lm_head_hook),
-                                  cpu_linear.PACKED_DENSE: (cpu_linear.linear_hook, cpu_linear.dense_lm_head_hook),
-                                  cpu_linear.PACKED_BF16: (cpu_linear.bf16_linear_hook,
-                                                           cpu_linear.bf16_lm_head_hook),
-                                  cpu_linear.PACKED_BF16_INT4: (cpu_linear.bf16_int4_linear_hook,
-                                                                cpu_linear.bf16_lm_head_hook),
-                                  cpu_linear.PACKED_INT4: (cpu_linear.int4_linear_hook,
-                                                           cpu_linear.lm_head_hook)}[linear]
+        linear_hook, head_hook = cpu_linear.hooks_for(linear)
         if linear in cpu_linear.FOUR_BIT:
-            cpu_linear.tell_int4(announce)
+            cpu_linear.tell_grid_read(announce)
         switched_on.append(([(cpu_linear.LINEAR_TARGET, linear_hook, "AROUND"),
                              (cpu_linear.LM_HEAD_TARGET, head_hook, "AROUND"),
                              (cpu_linear.NORMALIZER_TARGET, cpu_linear.normalizer_hook, "AROUND")],
@@ -129,7 +122,7 @@ def register() -> None:
                    env_names.CPU_LINEAR: linear in cpu_linear.VALUES,
                    env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
         if all(kernels.values()):
-            hook = lean_decode.make_forward_hook(bf16=linear in cpu_linear.BF16, int4=linear in cpu_linear.FOUR_BIT,
+            hook = lean_decode.make_forward_hook(bf16=linear in cpu_linear.BF16, grids=linear in cpu_linear.FOUR_BIT,
                                                  announce=announce)
             switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
                                 f"lean decode installed on {lean_decode.TARGET}"))

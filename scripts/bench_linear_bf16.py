@@ -1,13 +1,12 @@
-"""One decode step's linear layers of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down, then the LM head; random
-weights of the model's shapes, the layers' rounded as GGUF's Q4_1 writes them, as the model ships) through oneDNN on
-packed weights, fp32 against bf16 weights (`bf16_packed_linear`, the runtime's packed-bf16 product) and against the
-layers read from 4 bits (`int4_linear`: what packed-bf16-int4 computes at up to INT4_ROWS rows, the head in bf16,
-and what packed-int4 does, the head in fp32), with SGLang's plain `F.linear` in fp32 beside them. The arms run
-interleaved; prints the median [min-max] ms per step at each row count, the bf16 head's relative error, the CPU
-(`cpu_summary`: bf16 is worth it only where it names amx_bf16) and the load. Where oneDNN has no bf16 instructions
-the bf16 arms are left out.
+"""One decode step's linear layers of SmolLM2-135M (30 layers of the fused qkv, o, fused gate-up and down products,
+then the LM head; random weights of the model's shapes, the layers' rounded as GGUF's Q4_1 writes them and the head
+as Q8_0 does, as the model ships) through each way the runtime can compute them: oneDNN on the packed fp32 and bf16
+copies, the grid kernel on the 4- and 8-bit tiles (`grid_linear`), and torch's int4 kernel (bf16 scales, input
+and result rounded to bf16) for the layers. The arms run interleaved; prints the median [min-max] ms of the layers
+and of the head per arm at each row count, the CPU (`cpu_summary`) and the load. Where oneDNN has no bf16
+instructions the bf16 arms are left out.
 
-    .venv/bin/python scripts/bench_linear_bf16.py [--threads 2] [--repeats 5] [--rows 1,4,8,10,16,64,256]
+    .venv/bin/python scripts/bench_linear_bf16.py [--threads 2] [--repeats 5] [--rows 1,4,8,16,32,64]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/bench_linear_bf16.py  # held to AVX2
 """
 
@@ -17,68 +16,67 @@ import argparse
 import os
 import statistics
 import time
-from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
-from policies.cpu_linear import bf16_packed_linear, int4_linear, int4_weight, packed_linear, q4_1_round
+from policies.cpu_linear import (GRID_GROUP, INT4_LEVELS, bf16_packed_linear, four_bit_grid, grid_kernels,
+                                 grid_linear, grid_tiles, packed_linear, q4_1_round, q8_0_round)
 from sgl_tts.runtime.hardware import cpu_summary
 
 HIDDEN, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
-SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN),
-          (HIDDEN, MLP)] * LAYERS + [(VOCAB, HIDDEN)]  # [out, in] of every weight of one step
+LAYER_SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)] * LAYERS  # [out, in]
+
+
+def torch_int4(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product on `weight` through torch's int4 CPU kernel (its layout: packed q, bf16 scale and zero per
+    group, (q - 8) scale + zero)."""
+    q, step, low = four_bit_grid(weight)
+    zero = low + (INT4_LEVELS + 1) // 2 * step
+    scales_and_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, GRID_GROUP,
+                                                                scales_and_zeros).float()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rows", default="1,8,16,64,256", help="comma-separated row counts")
+    parser.add_argument("--rows", default="1,4,8,16,32,64", help="comma-separated row counts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    weights = [q4_1_round(torch.randn(n, k) * 0.02) for n, k in SHAPES[:-1]] + [torch.randn(*SHAPES[-1]) * 0.02]
-    four_bits = [int4_weight(SimpleNamespace(weight=w)) for w in weights[:-1]]
-    packed_fp32 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-
-    def int4_layers(xs: list) -> list:
-        return [int4_linear(x, w) for x, w in zip(xs, four_bits)]
-
-    arms = {
-        "fp32 F.linear": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
-        "fp32 packed": lambda xs: [packed_linear(x, w) for x, w in zip(xs, packed_fp32)],
-        "int4 layers fp32 head": lambda xs: int4_layers(xs) + [packed_linear(xs[-1], packed_fp32[-1])],
-    }
-    try:
-        packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
-    except RuntimeError as exc:  # oneDNN without bf16 instructions (e.g. held to AVX2)
-        packed_bf16 = None
-        print(f"no bf16 arms: {exc}")
-    if packed_bf16 is not None:
-        arms["bf16 packed"] = lambda xs: [bf16_packed_linear(x, w) for x, w in zip(xs, packed_bf16)]
-        arms["int4 layers"] = lambda xs: int4_layers(xs) + [bf16_packed_linear(xs[-1], packed_bf16[-1])]
+    layers = [q4_1_round(torch.randn(n, k) * 0.02) for n, k in LAYER_SHAPES]
+    head = q8_0_round(torch.randn(VOCAB, HIDDEN) * 0.05)
+    products: dict[str, dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]] = {"layers": {}, "head": {}}
+    for part, weights in (("layers", layers), ("head", [head])):
+        fp32 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        products[part]["fp32 packed"] = [lambda x, w=w: packed_linear(x, w) for w in fp32]
+        try:
+            bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in weights]
+            products[part]["bf16 packed"] = [lambda x, w=w: bf16_packed_linear(x, w) for w in bf16]
+        except RuntimeError as exc:  # oneDNN without bf16 instructions (e.g. held to AVX2)
+            print(f"no bf16 arm for the {part}: {exc}")
+        if grid_kernels() is not None:
+            tiles = [grid_tiles(w) for w in weights]
+            products[part]["grid"] = [lambda x, t=t: grid_linear(x, t) for t in tiles]
+    products["layers"]["torch int4"] = [torch_int4(w) for w in layers]
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     for rows in (int(count) for count in args.rows.split(",")):
-        inputs = [torch.randn(rows, k) for _, k in SHAPES]
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for arm in arms.values():
-            arm(inputs)  # warm-up
-        for _ in range(args.repeats):
-            for name, arm in arms.items():
-                start = time.perf_counter()
-                arm(inputs)
-                times[name].append((time.perf_counter() - start) * 1e3)
-        cells = "  ".join(f"{name} {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}]" for name, t in times.items())
-
-        def ratio(slower: str, faster: str) -> str:
-            return f"{slower}/{faster} {statistics.median(times[slower]) / statistics.median(times[faster]):.2f}x"
-
-        ratios = [ratio("fp32 packed", "int4 layers fp32 head")]
-        if packed_bf16 is not None:
-            head = torch.nn.functional.linear(inputs[-1], weights[-1])
-            error = (bf16_packed_linear(inputs[-1], packed_bf16[-1]) - head).abs().max() / head.abs().max()
-            ratios += [ratio("fp32 packed", "bf16 packed"), ratio("bf16 packed", "int4 layers"),
-                       f"bf16 head error {error:.1e}"]
-        print(f"{rows:4d} rows  {cells}  {'  '.join(ratios)}", flush=True)
+        inputs = {"layers": [torch.randn(rows, k) for _, k in LAYER_SHAPES], "head": [torch.randn(rows, HIDDEN)]}
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for part, arms in products.items():
+                for name, calls in arms.items():
+                    start = time.perf_counter()
+                    for call, x in zip(calls, inputs[part]):
+                        call(x)
+                    times.setdefault((part, name), []).append((time.perf_counter() - start) * 1e3)
+        cells = []
+        for (part, name), measured in times.items():
+            measured = measured[1:]
+            cells.append(f"{part} {name} {statistics.median(measured):.2f} [{min(measured):.2f}-{max(measured):.2f}]")
+        print(f"{rows:4d} rows  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.quantization.unquant")
 
 from policies import cpu_linear  # noqa: E402
-from policies.cpu_linear import (applies, bf16_linear_hook, bf16_lm_head_hook, dense_lm_head_hook,  # noqa: E402
-                                 linear_hook, live_rows, lm_head_hook, packed_bf16_weight, packed_linear,
-                                 packed_weight)
+from policies.cpu_linear import (applies, hooks_for, linear_hook, live_rows, lm_head_hook,  # noqa: E402
+                                 packed_bf16_weight, packed_linear, packed_weight)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -51,7 +50,7 @@ def test_the_bf16_linear_is_the_product_of_the_rounded_factors(shape):
     x = torch.randn(*shape, generator=generator)
     bias = torch.randn(96, generator=generator)
     calls = []
-    got = bf16_linear_hook(lambda *args: calls.append(args), None, layer, x, bias)
+    got = linear_hook(lambda *args: calls.append(args), None, layer, x, bias, bf16=True)
     assert calls == [] and got.dtype == torch.float32 and got.shape == (*shape[:-1], 96)
     magnitude = torch.nn.functional.linear(x.double().abs(), layer.weight.double().abs())
     summation = shape[-1] * torch.finfo(torch.float32).eps * magnitude
@@ -92,53 +91,106 @@ def test_a_weight_on_a_four_bit_grid_is_found_exactly_and_others_are_not():
     assert cpu_linear.four_bit_grid(layer.weight[:, :80]) is None  # K not a multiple of the group
     constant = torch.full((16, 32), 0.25)  # a group with one value: d = 0, every q 0
     assert torch.equal(cpu_linear.four_bit_grid(constant)[0], torch.zeros(16, 32, dtype=torch.int32))
-    assert cpu_linear.int4_weight(four_bit_layer(40, 64)[0]) is None  # N not a multiple of 16: the kernel's layout
     rounded = cpu_linear.q4_1_round(layer_of(48, 96).weight)  # the quantizer's output is on the grid it reads
     q, step, low = cpu_linear.four_bit_grid(rounded)
     assert torch.equal(low, low.half().float())  # fp16 m and d, as the file stores them
     torch.testing.assert_close(step, step.half().float(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_four_bit_product_is_the_brute_force_one_with_bf16_scales(rows):
-    """y = bf16(x) W'^T rounded to bf16, W' = (q - 8) bf16(d) + bf16(m + 8d): against that product in float64
-    (one bf16 rounding of the result, 2^-8 relative, and fp32 summation), and within the bf16 roundings of the scales
-    (<= 2^-8 (8d + |m + 8d|) a weight) of the exact fp32 product."""
-    layer, truth = four_bit_layer(64, 576, seed=rows)
+def eight_bit_layer(rows: int, columns: int, seed: int = 0) -> tuple[types.SimpleNamespace, dict]:
+    """A layer whose weight a Q8_0 quantizer wrote (per group of 32 along K, w = float(d) q with fp16 d, q in
+    -127..127, and +-127 in every group: d is the group's largest |w| / 127). Returns the layer and its q and d."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, columns // 32, 32), generator=generator)
+    q[..., 0] = 127 * torch.where(torch.rand(rows, columns // 32, generator=generator) < 0.5, -1, 1)
+    q = q[..., torch.randperm(32, generator=generator)]
+    d = (torch.rand(rows, columns // 32, generator=generator) * 1e-3 + 1e-5).half().float()
+    weight = (d[..., None] * q).reshape(rows, columns)
+    return types.SimpleNamespace(weight=torch.nn.Parameter(weight, requires_grad=False)), {"q": q, "d": d}
+
+
+def test_a_weight_on_an_eight_bit_grid_is_found_exactly_and_others_are_not():
+    layer, truth = eight_bit_layer(48, 96)
+    q, step = cpu_linear.eight_bit_grid(layer.weight)
+    assert torch.equal(q, truth["q"].reshape(48, 96).to(torch.int8))
+    torch.testing.assert_close(step, truth["d"], rtol=1e-6, atol=0)
+    off = layer.weight.clone()
+    off[5, 70] += 0.01 * truth["d"][5, 2]
+    assert cpu_linear.eight_bit_grid(off) is None
+    assert cpu_linear.eight_bit_grid(layer_of(48, 96).weight) is None
+    rounded = cpu_linear.q8_0_round(layer_of(48, 96).weight)
+    assert cpu_linear.eight_bit_grid(rounded) is not None
+    assert cpu_linear.four_bit_grid(rounded) is None  # 255 levels are not 16
+
+
+def unpacked(tiles: tuple) -> torch.Tensor:
+    """The weight [N, K] that `grid_tiles` laid out, rebuilt from the layout alone (float64)."""
+    packed, scales = tiles
+    if scales.dim() == 4:  # 4 bits: two q a byte, d and m
+        q = torch.stack([packed & 15, packed >> 4], dim=2).flatten(1, 2).double()  # [N / 16, K, 16]
+        step, low = scales[:, :, 0].double(), scales[:, :, 1].double()
+    else:
+        q, step = packed.double(), scales.double()
+        low = torch.zeros_like(step)
+    weight = step.repeat_interleave(32, dim=1) * q + low.repeat_interleave(32, dim=1)  # [N / 16, K, 16]
+    return weight.permute(0, 2, 1).reshape(-1, q.shape[1])
+
+
+@pytest.mark.parametrize("make", [four_bit_layer, eight_bit_layer], ids=["4-bit", "8-bit"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 17])
+def test_the_grid_product_is_the_fp32_weights_product(make, rows):
+    """The tiles hold the weight exactly (rebuilt from the layout alone), and the kernel's product over any number
+    of rows (blocks of 8, 4, 2 and 1) is the float64 product of the fp32 weight and x within fp32's bound for a
+    sum of K products (K eps sum_k |x_k w_k|), plus the bias: no bf16 rounding anywhere (the bf16 copy's error
+    is ~2^-8 of the magnitude, far above the bound)."""
+    if cpu_linear.grid_kernels() is None:
+        pytest.skip("no compiler for the grid kernel")
+    layer, _ = make(64, 576, seed=rows)
+    tiles = cpu_linear.grid_tiles(layer.weight)
+    assert cpu_linear.grid_bits(tiles) == (4 if make is four_bit_layer else 8)
+    assert torch.equal(unpacked(tiles), layer.weight.double())
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(64)
-    got = cpu_linear.int4_linear(x, cpu_linear.int4_weight(layer), bias)
-    zero = truth["m"] + 8 * truth["d"]
-    rounded_weight = ((truth["q"].reshape(64, 18, 32) - 8) * truth["d"].bfloat16().double()[..., None]
-                      + zero.bfloat16().double()[..., None]).reshape(64, 576)
-    brute = x.bfloat16().double() @ rounded_weight.T
-    magnitude = x.bfloat16().double().abs() @ rounded_weight.abs().T
-    assert ((got.double() - bias - brute).abs() <= 2.0 ** -8 * brute.abs() + 576 * 2.0 ** -23 * magnitude).all()
-    scale_error = (2.0 ** -8 * (8 * truth["d"] + zero.abs())).double().repeat_interleave(32, dim=1)
-    exact = x.bfloat16().double() @ layer.weight.double().T
-    assert ((brute - exact).abs() <= x.bfloat16().double().abs() @ scale_error.T + 1e-12).all()
+    got = cpu_linear.grid_linear(x, tiles, bias)
+    exact = x.double() @ layer.weight.double().T + bias.double()
+    bound = 576 * torch.finfo(torch.float32).eps * (x.double().abs() @ layer.weight.double().abs().T + bias.abs())
+    assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all()
+    assert torch.equal(cpu_linear.grid_linear(x.reshape(rows, 1, 576), tiles, bias).reshape(rows, 64), got)
+    assert cpu_linear.grid_tiles(layer.weight[:40]) is None  # N not a multiple of 16: the kernel's layout
 
 
-@pytest.mark.parametrize("hook, beyond", [
-    (cpu_linear.bf16_int4_linear_hook, lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
-    (cpu_linear.int4_linear_hook, lambda x, layer: packed_linear(x, packed_weight(layer)))],
-    ids=["packed-bf16-int4", "packed-int4"])
-def test_four_bit_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(hook, beyond):
+@pytest.mark.parametrize("value, beyond", [
+    (cpu_linear.PACKED_BF16_INT4, lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
+    (cpu_linear.PACKED_INT4, lambda x, layer: packed_linear(x, packed_weight(layer)))])
+def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, beyond):
+    """A 4-bit layer and an 8-bit head from their grids up to GRID_ROWS rows, larger products and weights off both
+    grids from the packed copy; the first grid read is told once."""
+    if cpu_linear.grid_kernels() is None:
+        pytest.skip("no compiler for the grid kernel")
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+    layer_hook, head_hook = hooks_for(value)
     layer, _ = four_bit_layer(64, 576)
+    head, _ = eight_bit_layer(256, 576)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    processor = types.SimpleNamespace(rl_on_policy_target=None, use_fp32_lm_head=False)
     heard = []
-    cpu_linear.tell_int4(heard.append)
+    cpu_linear.tell_grid_read(heard.append)
     sglang = lambda *args: "sglang"  # noqa: E731
-    for rows in (1, cpu_linear.INT4_ROWS, cpu_linear.INT4_ROWS + 1, 32):
+    most = cpu_linear.GRID_ROWS[value in cpu_linear.BF16]
+    for rows in sorted({1, most[4], most[4] + 1, most[8], most[8] + 1}):
         x = torch.randn(rows, 576)
-        got = hook(sglang, None, layer, x)
-        four_bits = cpu_linear.int4_linear(x, cpu_linear.int4_weight(layer))
-        assert torch.equal(got, four_bits if rows <= cpu_linear.INT4_ROWS else beyond(x, layer))
-        assert not torch.equal(four_bits, beyond(x, layer))
+        from_grid = cpu_linear.grid_linear(x, cpu_linear.grid_weight(layer))
+        assert torch.equal(layer_hook(sglang, None, layer, x), from_grid if rows <= most[4] else beyond(x, layer))
+        assert not torch.equal(from_grid, beyond(x, layer))
+        head_from_grid = cpu_linear.grid_linear(x, cpu_linear.grid_weight(head))
+        assert torch.equal(head_hook(sglang, processor, x, head), head_from_grid if rows <= most[8] else beyond(x, head))
     assert heard == ["a product of 1 row(s) read its (64, 576) weight from 4 bits"]
-    plain = layer_of(64, 576)  # off the grid: the packed copy at any size
+    plain = layer_of(64, 576)  # off both grids: the packed copy at any size
     x = torch.randn(1, 576)
-    assert torch.equal(hook(sglang, None, plain, x), beyond(x, plain))
-    assert hook(sglang, None, layer, x.bfloat16()) == "sglang"  # not an fp32 product
+    assert cpu_linear.grid_weight(plain) is None
+    assert torch.equal(layer_hook(sglang, None, plain, x), beyond(x, plain))
+    assert layer_hook(sglang, None, layer, x.bfloat16()) == "sglang"  # not an fp32 product
 
 
 def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
@@ -148,7 +200,7 @@ def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
     hidden = torch.randn(6, 64)
     head = layer_of(500, 64)
     head.quant_method = UnquantizedEmbeddingMethod()
-    got = bf16_lm_head_hook(None, processor, hidden, head)
+    got = lm_head_hook(None, processor, hidden, head, bf16=True)
     rounded = hidden.bfloat16().double() @ head.weight.bfloat16().double().T
     torch.testing.assert_close(got.double(), rounded, rtol=2.0 ** -8, atol=1e-4)
     assert (got.double() - hidden.double() @ head.weight.double().T).abs().max() > 1e-4
@@ -156,7 +208,7 @@ def test_the_bf16_heads_hook_rounds_a_dense_head_and_keeps_a_sparse_one_exact():
     sparse.weight.data[:] = 0
     sparse.weight.data[[3, 4000]] = torch.randn(2, 64)
     sparse.quant_method = head.quant_method
-    torch.testing.assert_close(bf16_lm_head_hook(None, processor, hidden, sparse), hidden @ sparse.weight.T,
+    torch.testing.assert_close(lm_head_hook(None, processor, hidden, sparse, bf16=True), hidden @ sparse.weight.T,
                                rtol=1e-5, atol=1e-5)
 
 
@@ -245,7 +297,7 @@ def test_a_head_of_few_live_rows_is_computed_on_them_alone_and_equals_the_full_p
         dense.weight[100:] = 0
         dense.weight[5] = 2.0
     dense.quant_method = head.quant_method
-    torch.testing.assert_close(dense_lm_head_hook(None, processor, hidden, dense),
+    torch.testing.assert_close(hooks_for(cpu_linear.PACKED_DENSE)[1](None, processor, hidden, dense),
                                torch.matmul(hidden, dense.weight.T), rtol=1e-5, atol=1e-4)
     assert not hasattr(dense, "_sgltts_live_rows"), "packed-dense never looks for live rows"
 
@@ -311,7 +363,7 @@ def test_cpu_runtimes_choose_their_linear_layers_by_the_cpus_flags(monkeypatch):
     assert env_names.CPU_LINEAR not in server.server_env(server.RuntimeConfig(device="cuda"))
     monkeypatch.setattr(server, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})  # bf16 dot products, no AMX
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed-int4"
-    monkeypatch.setattr(server, "cpu_flags", lambda: {"sse4_2"})  # no AVX2: torch's int4 kernel unvectorized
+    monkeypatch.setattr(server, "cpu_flags", lambda: {"sse4_2"})  # no AVX2: the grid kernel unvectorized
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "packed"
     monkeypatch.setenv(env_names.CPU_LINEAR, "sglang")  # the caller's environment wins
     assert server.server_env(server.RuntimeConfig())[env_names.CPU_LINEAR] == "sglang"
@@ -364,33 +416,41 @@ def test_a_bf16_runtime_decodes_as_transformers_does_to_bf16s_precision(tiny_run
 
 @pytest.mark.runtime
 @pytest.mark.parametrize("linear", ["packed-bf16-int4", "packed-int4"])
-def test_a_four_bit_model_decodes_from_four_bits_as_transformers_does_to_bf16s_precision(tiny_runtime, tmp_path,
-                                                                                          linear):
-    """The tiny model with every decoder linear weight put on a Q4_1 grid (as a GGUF file's converted weights are),
-    served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default where the CPU has AMX) or packed-int4 (where it has
-    AVX2 and no AMX): one request at a time reads the 4-bit copies (the plugin says so), and greedy decoding keeps
-    transformers' fp32 logprobs of that model to within bf16's rounding."""
+def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_runtime, tmp_path, linear):
+    """The tiny model with every decoder linear weight put on a Q4_1 grid and its embedding (its tied LM head) on a
+    Q8_0 grid, as a GGUF file's converted weights are, served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default
+    where the CPU has AMX) or packed-int4 (where it has AVX2 and no AMX): one request at a time reads the grids (the
+    plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model; with packed-int4 to fp32's
+    precision (a grid product is the fp32 weight's, and longer prompts' prefills read fp32), with packed-bf16-int4
+    to bf16's (those prefills read bf16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
+    if cpu_linear.grid_kernels() is None:
+        pytest.skip("no compiler for the grid kernel")
     model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if ".layers." in name and parameter.dim() == 2:
                 parameter.copy_(cpu_linear.q4_1_round(parameter))
-                assert cpu_linear.four_bit_grid(parameter) is not None
-    folder = tmp_path / "tiny-four-bit"
+                assert cpu_linear.grid_tiles(parameter) is not None
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(cpu_linear.q8_0_round(embedding))
+        assert cpu_linear.grid_bits(cpu_linear.grid_tiles(embedding)) == 8
+    folder = tmp_path / "tiny-quantized"
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_runtime.model_path).save_pretrained(folder)
     config = RuntimeConfig(model=str(folder), max_total_tokens=4096, env={env_names.CPU_LINEAR: linear})
-    with Runtime.start(config, name="tiny-int4", log_dir=tmp_path) as int4_runtime:
-        served = [greedy_logprobs(int4_runtime.url, ids) for ids in BF16_PROMPTS]
-        log = int4_runtime.log_path.read_text()
+    with Runtime.start(config, name="tiny-grids", log_dir=tmp_path) as grid_runtime:
+        served = [greedy_logprobs(grid_runtime.url, ids) for ids in BF16_PROMPTS]
+        log = grid_runtime.log_path.read_text()
     assert f"{linear} linear layers installed" in log
     assert "row(s) read its" in log and "weight from 4 bits" in log
     for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]
         got = torch.tensor([logprob for logprob, _, _ in answer])
-        torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=2e-2, rtol=0)
+        fp32_prefills = linear == cpu_linear.PACKED_INT4 or len(ids) <= cpu_linear.GRID_ROWS[True][8]
+        torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=1e-3 if fp32_prefills else 2e-2,
+                                   rtol=0)

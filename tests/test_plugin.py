@@ -259,10 +259,13 @@ def test_the_denormals_setting_flushes_them_in_the_registering_thread(monkeypatc
     assert (products[0] == 0.0) is flushed and products[0] < 1.2e-38
 
 
-@pytest.mark.parametrize("value, layer_hook, head_hook", [("packed", "linear_hook", "lm_head_hook"),
-                                                          ("packed-dense", "linear_hook", "dense_lm_head_hook"),
-                                                          ("packed-bf16", "bf16_linear_hook", "bf16_lm_head_hook")])
-def test_the_linear_setting_chooses_the_hooks(monkeypatch, value, layer_hook, head_hook):
+@pytest.mark.parametrize("value, flags, head_flags", [
+    ("packed", {"bf16": False, "grids": False}, {"sparse_heads": True}),
+    ("packed-dense", {"bf16": False, "grids": False}, {"sparse_heads": False}),
+    ("packed-bf16", {"bf16": True, "grids": False}, {"sparse_heads": True}),
+    ("packed-bf16-int4", {"bf16": True, "grids": True}, {"sparse_heads": True}),
+    ("packed-int4", {"bf16": False, "grids": True}, {"sparse_heads": True})])
+def test_the_linear_setting_chooses_the_hooks(monkeypatch, value, flags, head_flags):
     registry_module = pytest.importorskip("sglang.srt.plugins.hook_registry")
     from policies import cpu_linear
 
@@ -277,6 +280,7 @@ def test_the_linear_setting_chooses_the_hooks(monkeypatch, value, layer_hook, he
         hooks = {target: [function for _, function, _ in entries] for target, entries in HookRegistry._hooks.items()}
     finally:
         HookRegistry.reset()
-    assert hooks == {cpu_linear.LINEAR_TARGET: [getattr(cpu_linear, layer_hook)],
-                     cpu_linear.LM_HEAD_TARGET: [getattr(cpu_linear, head_hook)],
-                     cpu_linear.NORMALIZER_TARGET: [cpu_linear.normalizer_hook]}
+    (layer_hook,), (head_hook,) = hooks.pop(cpu_linear.LINEAR_TARGET), hooks.pop(cpu_linear.LM_HEAD_TARGET)
+    assert hooks == {cpu_linear.NORMALIZER_TARGET: [cpu_linear.normalizer_hook]}
+    assert layer_hook.func is cpu_linear.linear_hook and layer_hook.keywords == flags
+    assert head_hook.func is cpu_linear.lm_head_hook and head_hook.keywords == {**head_flags, **flags}

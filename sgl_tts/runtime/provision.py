@@ -1,5 +1,5 @@
 """`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
-kernel and the norm and rotary kernels); idempotent.
+kernel, the norm and rotary kernels and the products on 4- and 8-bit weights); idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -11,6 +11,7 @@ import time
 
 from policies.cpu_attention import paged_kernel
 from policies.cpu_layers import layer_kernels
+from policies.cpu_linear import grid_kernels
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
 from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
 
@@ -25,6 +26,8 @@ def provision() -> None:
     print(f"setup: paged attention kernel {'built' if built else 'not built: batched_decode runs instead'}", flush=True)
     layers = "built" if layer_kernels() is not None else "not built: SGLang's torch versions run instead"
     print(f"setup: norm and rotary kernels {layers}", flush=True)
+    grids = "built" if grid_kernels() is not None else "not built: every weight is read from its packed copy"
+    print(f"setup: 4- and 8-bit weight products {grids}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 

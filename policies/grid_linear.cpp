@@ -1,0 +1,245 @@
+// y = x W^T for a weight on a 4-bit grid, read from its 4 bits once for all the rows of x (policies/cpu_linear.py
+// has the layout, the arithmetic and the measurements). torch's int4 CPU kernel unpacks the weight again for
+// every few rows and rounds x and y to bf16; here each 16-output tile of the weight is unpacked into fp32 in
+// registers, w = m + d q, and multiplied with up to kMaxRows rows of fp32 x at once, in fp32.
+//
+// Layout (built by cpu_linear.four_bit_tiles): for tile t of outputs 16t .. 16t + 15,
+//   packed  uint8 [N / 16, K / 2, 16]:     byte [t, p, l] = q[16t + l, 2p] | q[16t + l, 2p + 1] << 4
+//   scales  fp16  [N / 16, K / 32, 2, 16]: [t, g, 0, l] = d and [t, g, 1, l] = m of output 16t + l's group g
+// The loops are written on GCC vector types of 16 lanes: one AVX-512 register, or two AVX2 ones.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;  // outputs per tile
+constexpr int kGroup = 32;  // weights along K that share d and m
+constexpr int kAhead = 8;  // groups ahead of the one in use whose q and scales are prefetched (into L2)
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 8;  // rows multiplied per unpacked tile: their sums stay in 8 of the 32 vector registers
+#else
+constexpr int kMaxRows = 4;  // AVX2's 16 registers hold 4 rows' sums of two registers each beside w, d and m
+#endif
+
+typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// 16 fp16 values as fp32 lanes.
+inline Floats halves_to_floats(const at::Half* h) {
+  Floats out;
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__F16C__)
+  const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+  std::memcpy(&out, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(low), &high, sizeof(high));
+#else
+  for (int l = 0; l < kLanes; ++l) out[l] = static_cast<float>(h[l]);
+#endif
+  return out;
+}
+
+// The cache lines of `size` bytes from `start` asked for ahead of their use. The tiles a thread computes lie one
+// after the other, so the groups ahead are the next ones in memory (past the last tile: a hint, never a fault);
+// without it the loads of one row's product waited on memory (66 MB a decode step for SmolLM2's layers).
+inline void prefetch(const void* start, int size) {
+  for (int line = 0; line < size; line += 64) __builtin_prefetch(static_cast<const char*>(start) + line, 0, 2);
+}
+
+// 16 bytes (uint8_t or int8_t) widened to 16 int32 lanes (GCC's own conversion of a byte vector extracts them one
+// by one).
+template <typename Byte>
+inline Ints widen(const Byte* bytes) {
+  constexpr bool kSigned = std::is_signed_v<Byte>;
+  Ints out;
+#if defined(__AVX512F__)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m512i wide = kSigned ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__AVX2__)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), upper = _mm_srli_si128(raw, 8);
+  const __m256i low = kSigned ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  const __m256i high = kSigned ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
+  std::memcpy(&out, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(low), &high, sizeof(high));
+#else
+  for (int l = 0; l < kLanes; ++l) out[l] = bytes[l];
+#endif
+  return out;
+}
+
+// out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of an 8-bit weight, w = d q: per group, the
+// sums of q x in kChains partial sums, then times d.
+template <int R>
+void tile_product_8(const float* x, int64_t columns, const int8_t* packed, const at::Half* scales, float* out,
+                    int64_t out_stride) {
+  constexpr int kChains = R >= 8 ? 1 : 8 / R;
+  Floats sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = Floats{};
+  for (int64_t g = 0; g < columns / kGroup; ++g) {
+    Floats partial[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) partial[r][c] = Floats{};
+    const int8_t* bytes = packed + g * kGroup * kLanes;
+    const float* xg = x + g * kGroup;
+    prefetch(bytes + kAhead * kGroup * kLanes, kGroup * kLanes);
+    prefetch(scales + (g + kAhead) * kLanes, kLanes * sizeof(at::Half));
+#pragma GCC unroll 32
+    for (int k = 0; k < kGroup; ++k) {
+      const Floats q = __builtin_convertvector(widen(bytes + k * kLanes), Floats);
+      for (int r = 0; r < R; ++r) partial[r][k % kChains] += q * xg[r * columns + k];
+    }
+    const Floats d = halves_to_floats(scales + g * kLanes);
+    for (int r = 0; r < R; ++r) {
+      Floats group = partial[r][0];
+      for (int c = 1; c < kChains; ++c) group += partial[r][c];
+      sums[r] += d * group;
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, &sums[r], sizeof(Floats));
+}
+
+// out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of a 4-bit weight, w = m + d q: per group,
+// d times the sums of q x (in kChains partial sums: a fused multiply-add waits ~4 cycles for its sum, and fewer
+// than 8 rows need more chains to keep the units busy) plus m times the sum of x (x_sums, one per row and group).
+template <int R>
+void tile_product(const float* x, const float* x_sums, int64_t columns, const uint8_t* packed,
+                  const at::Half* scales, float* out, int64_t out_stride) {
+  constexpr int kChains = R >= 8 ? 1 : 8 / R;
+  const int64_t groups = columns / kGroup;
+  Floats sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = Floats{};
+  for (int64_t g = 0; g < groups; ++g) {
+    Floats partial[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) partial[r][c] = Floats{};
+    const uint8_t* bytes = packed + g * (kGroup / 2) * kLanes;
+    const float* xg = x + g * kGroup;
+    prefetch(bytes + kAhead * kGroup / 2 * kLanes, kGroup / 2 * kLanes);
+    prefetch(scales + (g + kAhead) * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+#pragma GCC unroll 16
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const Ints q = widen(bytes + p * kLanes);
+      const Floats even = __builtin_convertvector(q & 15, Floats);  // q[l, 2p]
+      const Floats odd = __builtin_convertvector(q >> 4, Floats);   // q[l, 2p + 1]
+      for (int r = 0; r < R; ++r) {
+        partial[r][(2 * p) % kChains] += even * xg[r * columns + 2 * p];
+        partial[r][(2 * p + 1) % kChains] += odd * xg[r * columns + 2 * p + 1];
+      }
+    }
+    const Floats d = halves_to_floats(scales + g * 2 * kLanes);
+    const Floats m = halves_to_floats(scales + g * 2 * kLanes + kLanes);
+    for (int r = 0; r < R; ++r) {
+      Floats group = partial[r][0];
+      for (int c = 1; c < kChains; ++c) group += partial[r][c];
+      sums[r] += d * group;
+      sums[r] += m * x_sums[r * groups + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, &sums[r], sizeof(Floats));
+}
+
+}  // namespace
+
+namespace {
+
+// product(t, r, std::integral_constant<int, R>) for every tile t of the weight (the tiles split between torch's
+// threads) and every block of R rows from row r on (blocks of kMaxRows, then 4, 2, 1).
+template <typename Product>
+void over_tiles_and_rows(int64_t tiles, int64_t rows, const Product& product) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r = 0; r < rows;) {
+        const int64_t left = rows - r;
+        if (left >= kMaxRows) {
+          product(t, r, std::integral_constant<int, kMaxRows>{});
+          r += kMaxRows;
+        } else if (kMaxRows > 4 && left >= 4) {
+          product(t, r, std::integral_constant<int, 4>{});
+          r += 4;
+        } else if (left >= 2) {
+          product(t, r, std::integral_constant<int, 2>{});
+          r += 2;
+        } else {
+          product(t, r, std::integral_constant<int, 1>{});
+          r += 1;
+        }
+      }
+    }
+  });
+}
+
+void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kGroup == 0,
+              "x: float32 [M, K] contiguous, K a multiple of 32");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kLanes,
+              "packed: [N / 16, ..., 16] contiguous");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.size(0) == packed.size(0) &&
+                  scales.size(1) == x.size(1) / kGroup && scales.size(-1) == kLanes,
+              "scales: float16 [N / 16, K / 32, ..., 16] contiguous");
+}
+
+}  // namespace
+
+// x [M, K] fp32 contiguous times the 4-bit weight [N, K] transposed: y [M, N] fp32.
+torch::Tensor four_bit_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  check_input(x, packed, scales);
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == x.size(1) && scales.dim() == 4 &&
+                  scales.size(2) == 2,
+              "a 4-bit weight: packed uint8 [N / 16, K / 2, 16], scales [N / 16, K / 32, 2, 16]");
+  const int64_t rows = x.size(0), columns = x.size(1), tiles = packed.size(0), out_stride = tiles * kLanes;
+  auto out = torch::empty({rows, out_stride}, x.options());
+  const float* in = x.data_ptr<float>();
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  float* y = out.data_ptr<float>();
+  const int64_t groups = columns / kGroup;
+  std::vector<float> x_sums(rows * groups);  // sum of x over each group of each row
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    float sum = 0.f;
+    for (int k = 0; k < kGroup; ++k) sum += in[i * kGroup + k];
+    x_sums[i] = sum;
+  }
+  over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
+    tile_product<decltype(block)::value>(in + r * columns, x_sums.data() + r * groups, columns,
+                                         q + t * (columns / 2) * kLanes,
+                                         s + t * (columns / kGroup) * 2 * kLanes, y + r * out_stride + t * kLanes,
+                                         out_stride);
+  });
+  return out;
+}
+
+// x [M, K] fp32 contiguous times the 8-bit weight [N, K] transposed: y [M, N] fp32.
+torch::Tensor eight_bit_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  check_input(x, packed, scales);
+  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.size(1) == x.size(1) && scales.dim() == 3,
+              "an 8-bit weight: packed int8 [N / 16, K, 16], scales [N / 16, K / 32, 16]");
+  const int64_t rows = x.size(0), columns = x.size(1), tiles = packed.size(0), out_stride = tiles * kLanes;
+  auto out = torch::empty({rows, out_stride}, x.options());
+  const float* in = x.data_ptr<float>();
+  const int8_t* q = packed.data_ptr<int8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  float* y = out.data_ptr<float>();
+  over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
+    tile_product_8<decltype(block)::value>(in + r * columns, columns, q + t * columns * kLanes,
+                                           s + t * (columns / kGroup) * kLanes, y + r * out_stride + t * kLanes,
+                                           out_stride);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("four_bit_linear", &four_bit_linear, "x [M, K] fp32 times a 4-bit weight's tiles, transposed: [M, N] fp32");
+  m.def("eight_bit_linear", &eight_bit_linear, "x [M, K] fp32 times an 8-bit weight's tiles, transposed: [M, N] fp32");
+}
