@@ -96,7 +96,7 @@ INT8_LEVELS = 127  # q in -127..127
 TILE = 16  # outputs per tile of a grid weight (the kernel's vector lanes)
 # The most rows a product reads a weight's grid at, by its bits, beside a packed bf16 copy (AMX) or an fp32 one:
 # below the measured crossovers (module docstring).
-GRID_ROWS = {True: {4: 16, 8: 8}, False: {4: 24, 8: 24}}
+GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 24, 8: 16}}
 GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
 GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
