@@ -59,18 +59,20 @@ weight is kept again as its q with fp16 d (and m) per group, in tiles of 16 outp
 
 (`policies/grid_linear.cpp`: the 4 or 8 bits of a tile unpacked once in vector registers for up to 8 rows of x).
 The weights are the fp32 weights themselves, and x and y stay fp32: the product is the fp32 product in another
-summation order (~1e-7 relative), where the bf16 copy rounds x, W and y (~4e-3). A 4-bit weight is a quarter of
-the bf16 copy's bytes, an 8-bit one half, but every row costs its multiply-adds on the vector units where oneDNN's
-bf16 product of many rows runs on AMX's tiles: one decode step's linear layers of SmolLM2-135M (its 120 decoder
-products from 4 bits, the head from 8) on a 2-core Xeon with AMX, 2 threads, took (MEASURED below) so products of at
-most INT4_ROWS rows read a 4-bit weight and of at most INT8_ROWS an 8-bit one, larger ones the packed bf16 copy
-(`scripts/bench_linear_bf16.py`, `docs/runtime-speed.md`). On a CPU without AMX, `packed-int4` does the same beside
-the packed fp32 copy. Weights on neither grid (any fp32 model) keep the packed copy.
+summation order (~1e-7 relative), where the bf16 copy rounds x, W and y (~4e-3), and torch's int4 kernel rounded x,
+y and the scales to bf16. A 4-bit weight is a quarter of the bf16 copy's bytes, an 8-bit one half, but every row
+costs its multiply-adds on the vector units, where oneDNN's bf16 product of many rows runs on AMX's tiles: one decode
+step's 120 decoder products of SmolLM2-135M from 4 bits took 4.5 / 6.2 / 10.2 / 18.3 ms at 1 / 4 / 8 / 16 rows
+against 15.0 / 15.5 / 16.4 / 17.8 in bf16, and its head from 8 bits 1.27 / 1.61 / 2.38 / 4.56 against 2.66 / 2.72 /
+2.83 / 3.24 (2-core Xeon with AMX, 2 threads; held to AVX2, against fp32: level at 32 and 24 rows), so products of
+at most GRID_ROWS rows read the grids, larger ones the packed copy (`scripts/bench_linear_bf16.py`,
+`docs/runtime-speed.md`). On a CPU without AMX, `packed-int4` does the same beside the packed fp32 copy. Weights on
+neither grid (any fp32 model) keep the packed copy; so does every weight when the kernel could not be built.
 
 The plugin (`policies/plugin.py`) installs the hooks (`hooks_for`) with $SGLTTS_CPU_LINEAR=packed, packed-bf16,
 packed-bf16-int4 or packed-int4 (`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every
-head whole, to measure the live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA, bf16 models, quantized or
-LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
+head whole, to measure the live-rows head against); any call that is not a plain fp32 product on the CPU (CUDA,
+bf16 models, quantized or LoRA heads, SGLang's own AMX path) goes to SGLang's code unchanged.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-// y = x W^T for a weight on a 4-bit grid, read from its 4 bits once for all the rows of x (policies/cpu_linear.py
-// has the layout, the arithmetic and the measurements). torch's int4 CPU kernel unpacks the weight again for
-// every few rows and rounds x and y to bf16; here each 16-output tile of the weight is unpacked into fp32 in
-// registers, w = m + d q, and multiplied with up to kMaxRows rows of fp32 x at once, in fp32.
+// y = x W^T for a weight on a 4-bit or an 8-bit grid, read from its 4 or 8 bits once for all the rows of x
+// (policies/cpu_linear.py has the grids, the arithmetic and the measurements). torch's int4 CPU kernel unpacks the
+// weight again for every 4 rows and rounds x, y and the scales to bf16; here each 16-output tile is unpacked into
+// fp32 in vector registers and multiplied with up to kMaxRows rows of fp32 x at once: per group of 32 along K,
+// d times the sum of q x (plus m times the sum of x for the 4-bit grid's zero), in fp32.
 //
-// Layout (built by cpu_linear.four_bit_tiles): for tile t of outputs 16t .. 16t + 15,
-//   packed  uint8 [N / 16, K / 2, 16]:     byte [t, p, l] = q[16t + l, 2p] | q[16t + l, 2p + 1] << 4
-//   scales  fp16  [N / 16, K / 32, 2, 16]: [t, g, 0, l] = d and [t, g, 1, l] = m of output 16t + l's group g
+// Layout (built by cpu_linear.grid_tiles): for tile t of outputs 16t .. 16t + 15,
+//   4 bits:  packed  uint8 [N / 16, K / 2, 16]:     byte [t, p, l] = q[16t + l, 2p] | q[16t + l, 2p + 1] << 4
+//            scales  fp16  [N / 16, K / 32, 2, 16]: [t, g, 0, l] = d and [t, g, 1, l] = m of output 16t + l's group g
+//   8 bits:  packed  int8  [N / 16, K, 16]:         [t, k, l] = q[16t + l, k]
+//            scales  fp16  [N / 16, K / 32, 16]:    [t, g, l] = d of output 16t + l's group g
 // The loops are written on GCC vector types of 16 lanes: one AVX-512 register, or two AVX2 ones.
 #include <torch/extension.h>
 
@@ -25,9 +28,9 @@ constexpr int kLanes = 16;  // outputs per tile
 constexpr int kGroup = 32;  // weights along K that share d and m
 constexpr int kAhead = 8;  // groups ahead of the one in use whose q and scales are prefetched (into L2)
 #if defined(__AVX512F__)
-constexpr int kMaxRows = 8;  // rows multiplied per unpacked tile: their sums stay in 8 of the 32 vector registers
+constexpr int kMaxRows = 8;  // rows multiplied per unpacked tile: their sums and partial sums in 16 of 32 registers
 #else
-constexpr int kMaxRows = 4;  // AVX2's 16 registers hold 4 rows' sums of two registers each beside w, d and m
+constexpr int kMaxRows = 4;  // AVX2 has 16 registers of half the width: half the rows
 #endif
 
 typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
@@ -84,7 +87,7 @@ inline Ints widen(const Byte* bytes) {
 template <int R>
 void tile_product_8(const float* x, int64_t columns, const int8_t* packed, const at::Half* scales, float* out,
                     int64_t out_stride) {
-  constexpr int kChains = R >= 8 ? 1 : 8 / R;
+  constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
   Floats sums[R];
   for (int r = 0; r < R; ++r) sums[r] = Floats{};
   for (int64_t g = 0; g < columns / kGroup; ++g) {
@@ -111,12 +114,13 @@ void tile_product_8(const float* x, int64_t columns, const int8_t* packed, const
 }
 
 // out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of a 4-bit weight, w = m + d q: per group,
-// d times the sums of q x (in kChains partial sums: a fused multiply-add waits ~4 cycles for its sum, and fewer
-// than 8 rows need more chains to keep the units busy) plus m times the sum of x (x_sums, one per row and group).
+// d times the sums of q x (in kChains partial sums: a fused multiply-add waits ~4 cycles for its sum, so fewer than
+// kMaxRows rows need more chains to keep the units busy, and more than the registers hold spill: two chains of 4
+// rows on AVX2 took 1.26x the time of one) plus m times the sum of x (x_sums, one per row and group).
 template <int R>
 void tile_product(const float* x, const float* x_sums, int64_t columns, const uint8_t* packed,
                   const at::Half* scales, float* out, int64_t out_stride) {
-  constexpr int kChains = R >= 8 ? 1 : 8 / R;
+  constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
   const int64_t groups = columns / kGroup;
   Floats sums[R];
   for (int r = 0; r < R; ++r) sums[r] = Floats{};

@@ -42,7 +42,7 @@ CPU_CONTINUOUS_DECODE_STEPS = 4
 # rank's, so that a small planned budget is not cut into pieces a long request no longer fits.
 MIN_RANK_TOKENS = 8192
 AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tiles: a CPU runtime's linear layers run in bf16
-AVX2 = "avx2"  # the /proc/cpuinfo flag torch's int4 kernel is vectorized for: 4-bit weights at a few rows
+AVX2 = "avx2"  # the /proc/cpuinfo flag the grid kernel is vectorized for: 4- and 8-bit weights at a few rows
 
 
 class RuntimeStartError(RuntimeError):
@@ -206,9 +206,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # the linear layers' speed at decode batches; in bf16 where the CPU has AMX tiles for it (decode 1.5x the
         # fp32 packed runtime's at 16 requests, 1.6x at 64, docs/runtime-speed.md); `env: {SGLTTS_CPU_LINEAR: packed}`
         # keeps fp32 there, `sglang` keeps SGLang's F.linear, and so does the variable set in the caller's environment.
-        # Weights a 4-bit quantization wrote (SmolLM2's layers, shipped as Q4_1) are read from 4 bits at up to 8 rows
-        # (with AMX: decode 1.65x at one request, 1.42x at 8; with torch and oneDNN held to AVX2: 1.93x and 1.62x the
-        # fp32 runtime; docs/runtime-speed.md);
+        # Weights a quantizer wrote (SmolLM2's layers, shipped as Q4_1, and its head, Q8_0) are read from their 4 and
+        # 8 bits at a few rows by the project's kernel, in fp32 (with AMX: decode 1.20x the torch-int4 default at one
+        # request, 1.12-1.22x at 4-16; that one was 1.65x bf16 at one request; docs/runtime-speed.md);
         # `packed-bf16` / `packed` read bf16 / fp32 at every size.
         flags = cpu_flags()
         env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if AMX_BF16 in flags
