@@ -78,10 +78,10 @@ def paged_kernel() -> Any:
 
 def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool = False) -> Any:
     """The extension compiled from the C++ source `text` of `source_file` (KERNEL_SOURCE's, another version of it to
-    measure against: scripts/bench_attention.py, or policies/cpu_layers.cpp), or None when it cannot be built. Built
-    into the cache under a name that carries the file's stem, the CPU's SIMD level and the source's hash (a cache
-    shared by machines with different CPUs, or by checkouts of different sources, keeps a build for each), then
-    loaded from there."""
+    measure against: scripts/bench_attention.py, or policies/cpu_layers.cpp), or None when it cannot be built; with
+    `threads`, compiled with OpenMP (policies/grid_linear.cpp). Built into the cache under a name that carries the
+    file's stem, the CPU's SIMD level and a hash of the source and the OpenMP flag (a cache shared by machines with
+    different CPUs, or by checkouts of different sources, keeps a build for each), then loaded from there."""
     import torch
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns of no CUDA

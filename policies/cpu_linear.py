@@ -103,8 +103,7 @@ GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on t
 GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
 _BF16_CACHE = "_sgltts_packed_bf16_weight"  # module attribute: (the weight's identity, its packed bf16 copy)
-_INT4_CACHE = "_sgltts_int4_weight"  # module attribute: (the weight's identity, its 4-bit tiles or None)
-_INT8_CACHE = "_sgltts_int8_weight"  # module attribute: (the weight's identity, its 8-bit tiles or None)
+_GRID_CACHE = "_sgltts_grid_weight"  # module attribute: (the weight's identity, its 4- or 8-bit tiles or None)
 _ROWS_CACHE = "_sgltts_live_rows"  # module attribute: (the weight's identity, (live rows, their weights) or None)
 SPARSE_HEAD_SHARE = 1 / 64  # at most this share of a head's rows live: computed on those rows alone
 PLAIN_LM_HEAD_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
@@ -248,7 +247,7 @@ def grid_weight(module: Any) -> tuple[Any, Any] | None:
     found once per weight, and again after it changed."""
     if grid_kernels() is None:
         return None
-    return per_weight(module, _INT4_CACHE, grid_tiles)
+    return per_weight(module, _GRID_CACHE, grid_tiles)
 
 
 def grid_bits(tiles: tuple[Any, Any]) -> int:
