@@ -74,6 +74,29 @@ def test_roofline_bound_is_bandwidth_at_small_batches_and_compute_at_large():
     assert ceiling.decode_tokens_per_s(64, parameters) == pytest.approx(64 / (64 * 0.002))
 
 
+def test_the_bytes_a_step_reads_count_each_grid_weight_at_its_bits_and_the_rest_as_stored():
+    """A Q4_1 weight at 4 bits plus an fp16 d and m per group of 32 (0.625 bytes a parameter), a Q8_0 one at 8 bits
+    plus an fp16 d (1.0625), a weight on no grid and a norm as stored; and a tied head's embedding once, an untied
+    embedding not at all (a step reads one row of it)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from policies.cpu_linear import q4_1_round, q8_0_round
+    from sgl_tts.bench.runtime import grid_read_bytes, step_weights
+
+    four, eight, plain = q4_1_round(torch.randn(64, 96)), q8_0_round(torch.randn(32, 64)), torch.randn(16, 32)
+    norm = torch.ones(96)
+    assert grid_read_bytes([four, eight, plain, norm]) == 64 * 96 * 5 // 8 + 32 * 64 * 17 // 16 + 16 * 32 * 4 + 96 * 4
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2)
+    for tied in (True, False):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=tied, **config))
+        read = step_weights(model)
+        embedding = model.get_input_embeddings().weight
+        assert any(weight is embedding for weight in read) is tied
+        assert any(weight is model.get_output_embeddings().weight for weight in read)
+        assert len(read) == len(list(model.parameters())) - (0 if tied else 1)
+
+
 def test_data_parallel_ranks_in_one_file_are_split_by_process():
     records = []
     for pid, offset in ((1, 0.0), (2, 0.013)):  # two ranks stepping 30 ms apart each, interleaved in time

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from policies.step_timing import StepSplit, read_trace, step_split
 from sgl_tts import env_names
@@ -255,11 +255,41 @@ def measure_machine(repeats: int = 5) -> MachineCeiling:
     return MachineCeiling(2 * 2048**3 / best_mm, big.numel() * big.element_size() / best_read)
 
 
-def machine_line(ceiling: MachineCeiling, parameters: int, parallel: Sequence[int]) -> str:
+def grid_read_bytes(weights: Iterable[Any]) -> int:
+    """The bytes a one-row decode step reads from `weights` (fp32 tensors: the ones a step reads, each once) as the
+    grid products read them (policies/cpu_linear.py): a weight on a 4-bit grid 4 bits a parameter and an fp16 d and m
+    per group, on an 8-bit grid 8 bits and an fp16 d per group, any other as stored (norms, weights on no grid)."""
+    from policies.cpu_linear import GRID_GROUP, eight_bit_grid, four_bit_grid
+
+    total = 0
+    for weight in weights:
+        if weight.dim() == 2 and four_bit_grid(weight) is not None:
+            total += weight.numel() // 2 + weight.numel() // GRID_GROUP * 2 * 2
+        elif weight.dim() == 2 and eight_bit_grid(weight) is not None:
+            total += weight.numel() + weight.numel() // GRID_GROUP * 2
+        else:
+            total += weight.numel() * weight.element_size()
+    return total
+
+
+def step_weights(model: Any) -> list[Any]:
+    """The parameters of a transformers model a decode step reads whole: all but an input embedding that is not
+    also the LM head (a step reads one row of it); tied ones once."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return [parameter for parameter in model.parameters() if parameter is not embedding or embedding is head]
+
+
+def machine_line(ceiling: MachineCeiling, parameters: int, parallel: Sequence[int],
+                 grid_bytes: int | None = None) -> str:
+    """The machine's ceilings and the roofline bounds they put on decoding: for fp32 parameters at each parallel
+    count and, given `grid_bytes` (`grid_read_bytes`), at one row for the weights as the grid products read them."""
     bound = ", ".join(f"{p}: {ceiling.decode_tokens_per_s(p, parameters):.0f}" for p in parallel)
+    as_read = "" if grid_bytes is None else (
+        f"; read from its grids ({grid_bytes / 1e6:.0f} MB a step), at 1: "
+        f"{ceiling.read_bandwidth / grid_bytes:.0f}")
     return (f"machine: {cpu_summary()}; torch {torch_threads()} threads: fp32 matmul {ceiling.flops / 1e9:.0f} "
             f"GFLOP/s, memory read {ceiling.read_bandwidth / 1e9:.1f} GB/s; roofline decode bound for "
-            f"{parameters / 1e6:.0f}M fp32 parameters, tok/s at {bound}")
+            f"{parameters / 1e6:.0f}M fp32 parameters, tok/s at {bound}{as_read}")
 
 
 def torch_threads() -> int:
@@ -340,7 +370,9 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
         hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=getattr(torch, hf_dtype))
         hf_model.eval()
         parameters = sum(parameter.numel() for parameter in hf_model.parameters())
-        print(machine_line(measure_machine(), parameters, parallel), flush=True)
+        grid_bytes = grid_read_bytes(step_weights(AutoModelForCausalLM.from_pretrained(first.model_path,
+                                                                                    dtype=torch.float32)))
+        print(machine_line(measure_machine(), parameters, parallel, grid_bytes), flush=True)
         measures: dict[str, Callable[[int], Sample]] = {}
         for name, runtime in runtimes.items():
             sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
