@@ -64,7 +64,7 @@ y and the scales to bf16. A 4-bit weight is a quarter of the bf16 copy's bytes, 
 costs its multiply-adds on the vector units, where oneDNN's bf16 product of many rows runs on AMX's tiles: one decode
 step's 120 decoder products of SmolLM2-135M from 4 bits took 4.5 / 6.2 / 10.2 / 18.3 ms at 1 / 4 / 8 / 16 rows
 against 15.0 / 15.5 / 16.4 / 17.8 in bf16, and its head from 8 bits 1.27 / 1.61 / 2.38 / 4.56 against 2.66 / 2.72 /
-2.83 / 3.24 (2-core Xeon with AMX, 2 threads; held to AVX2, against fp32: level at 32 and 24 rows), so products of
+2.83 / 3.24 (2-core Xeon with AMX, 2 threads; held to AVX2, against fp32: level at 64 and 32 rows), so products of
 at most GRID_ROWS rows read the grids, larger ones the packed copy (`scripts/bench_linear_bf16.py`,
 `docs/runtime-speed.md`). On a CPU without AMX, `packed-int4` does the same beside the packed fp32 copy. Weights on
 neither grid (any fp32 model) keep the packed copy; so does every weight when the kernel could not be built.
@@ -98,7 +98,7 @@ INT8_LEVELS = 127  # q in -127..127
 TILE = 16  # outputs per tile of a grid weight (the kernel's vector lanes)
 # The most rows a product reads a weight's grid at, by its bits, beside a packed bf16 copy (AMX) or an fp32 one:
 # below the measured crossovers (module docstring).
-GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 24, 8: 16}}
+GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 32, 8: 24}}
 GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
 GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
