@@ -82,45 +82,33 @@ inline Ints widen(const Byte* bytes) {
   return out;
 }
 
-// out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of an 8-bit weight, w = d q: per group, the
-// sums of q x in kChains partial sums, then times d.
-template <int R>
-void tile_product_8(const float* x, int64_t columns, const int8_t* packed, const at::Half* scales, float* out,
-                    int64_t out_stride) {
-  constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
-  Floats sums[R];
-  for (int r = 0; r < R; ++r) sums[r] = Floats{};
-  for (int64_t g = 0; g < columns / kGroup; ++g) {
-    Floats partial[R][kChains];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChains; ++c) partial[r][c] = Floats{};
-    const int8_t* bytes = packed + g * kGroup * kLanes;
-    const float* xg = x + g * kGroup;
-    prefetch(bytes + kAhead * kGroup * kLanes, kGroup * kLanes);
-    prefetch(scales + (g + kAhead) * kLanes, kLanes * sizeof(at::Half));
-#pragma GCC unroll 32
-    for (int k = 0; k < kGroup; ++k) {
-      const Floats q = __builtin_convertvector(widen(bytes + k * kLanes), Floats);
-      for (int r = 0; r < R; ++r) partial[r][k % kChains] += q * xg[r * columns + k];
-    }
-    const Floats d = halves_to_floats(scales + g * kLanes);
-    for (int r = 0; r < R; ++r) {
-      Floats group = partial[r][0];
-      for (int c = 1; c < kChains; ++c) group += partial[r][c];
-      sums[r] += d * group;
-    }
-  }
-  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, &sums[r], sizeof(Floats));
-}
+// How a tile of a Bits-bit weight lays out one group: its q (two a byte at 4 bits) and its scales (d and m at 4
+// bits, d at 8).
+template <int Bits>
+struct Grid;
+template <>
+struct Grid<4> {
+  using Byte = uint8_t;
+  static constexpr int kBytes = kGroup / 2 * kLanes;
+  static constexpr int kScales = 2;
+};
+template <>
+struct Grid<8> {
+  using Byte = int8_t;
+  static constexpr int kBytes = kGroup * kLanes;
+  static constexpr int kScales = 1;
+};
 
-// out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of a 4-bit weight, w = m + d q: per group,
-// d times the sums of q x (in kChains partial sums: a fused multiply-add waits ~4 cycles for its sum, so fewer than
-// kMaxRows rows need more chains to keep the units busy, and more than the registers hold spill: two chains of 4
-// rows on AVX2 took 1.26x the time of one) plus m times the sum of x (x_sums, one per row and group).
-template <int R>
-void tile_product(const float* x, const float* x_sums, int64_t columns, const uint8_t* packed,
+// out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x and one tile of a Bits-bit weight, w = d q (+ m at 4 bits):
+// per group, d times the sums of q x (in kChains partial sums: a fused multiply-add waits ~4 cycles for its sum, so
+// fewer than kMaxRows rows need more chains to keep the units busy, and more than the registers hold spill: two
+// chains of 4 rows on AVX2 took 1.26x the time of one), plus at 4 bits m times the sum of x (x_sums, one per row
+// and group).
+template <int Bits, int R>
+void tile_product(const float* x, const float* x_sums, int64_t columns, const typename Grid<Bits>::Byte* packed,
                   const at::Half* scales, float* out, int64_t out_stride) {
   constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
+  constexpr int kBytes = Grid<Bits>::kBytes, kScales = Grid<Bits>::kScales;
   const int64_t groups = columns / kGroup;
   Floats sums[R];
   for (int r = 0; r < R; ++r) sums[r] = Floats{};
@@ -128,27 +116,37 @@ void tile_product(const float* x, const float* x_sums, int64_t columns, const ui
     Floats partial[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChains; ++c) partial[r][c] = Floats{};
-    const uint8_t* bytes = packed + g * (kGroup / 2) * kLanes;
+    const typename Grid<Bits>::Byte* bytes = packed + g * kBytes;
     const float* xg = x + g * kGroup;
-    prefetch(bytes + kAhead * kGroup / 2 * kLanes, kGroup / 2 * kLanes);
-    prefetch(scales + (g + kAhead) * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+    prefetch(bytes + kAhead * kBytes, kBytes);
+    prefetch(scales + (g + kAhead) * kScales * kLanes, kScales * kLanes * sizeof(at::Half));
+    if constexpr (Bits == 4) {
 #pragma GCC unroll 16
-    for (int p = 0; p < kGroup / 2; ++p) {
-      const Ints q = widen(bytes + p * kLanes);
-      const Floats even = __builtin_convertvector(q & 15, Floats);  // q[l, 2p]
-      const Floats odd = __builtin_convertvector(q >> 4, Floats);   // q[l, 2p + 1]
-      for (int r = 0; r < R; ++r) {
-        partial[r][(2 * p) % kChains] += even * xg[r * columns + 2 * p];
-        partial[r][(2 * p + 1) % kChains] += odd * xg[r * columns + 2 * p + 1];
+      for (int p = 0; p < kGroup / 2; ++p) {
+        const Ints q = widen(bytes + p * kLanes);
+        const Floats even = __builtin_convertvector(q & 15, Floats);  // q[l, 2p]
+        const Floats odd = __builtin_convertvector(q >> 4, Floats);   // q[l, 2p + 1]
+        for (int r = 0; r < R; ++r) {
+          partial[r][(2 * p) % kChains] += even * xg[r * columns + 2 * p];
+          partial[r][(2 * p + 1) % kChains] += odd * xg[r * columns + 2 * p + 1];
+        }
+      }
+    } else {
+#pragma GCC unroll 32
+      for (int k = 0; k < kGroup; ++k) {
+        const Floats q = __builtin_convertvector(widen(bytes + k * kLanes), Floats);
+        for (int r = 0; r < R; ++r) partial[r][k % kChains] += q * xg[r * columns + k];
       }
     }
-    const Floats d = halves_to_floats(scales + g * 2 * kLanes);
-    const Floats m = halves_to_floats(scales + g * 2 * kLanes + kLanes);
+    const Floats d = halves_to_floats(scales + g * kScales * kLanes);
     for (int r = 0; r < R; ++r) {
       Floats group = partial[r][0];
       for (int c = 1; c < kChains; ++c) group += partial[r][c];
       sums[r] += d * group;
-      sums[r] += m * x_sums[r * groups + g];
+    }
+    if constexpr (Bits == 4) {
+      const Floats m = halves_to_floats(scales + g * kScales * kLanes + kLanes);
+      for (int r = 0; r < R; ++r) sums[r] += m * x_sums[r * groups + g];
     }
   }
   for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, &sums[r], sizeof(Floats));
@@ -196,54 +194,42 @@ void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torc
 
 }  // namespace
 
-// x [M, K] fp32 contiguous times the 4-bit weight [N, K] transposed: y [M, N] fp32.
-torch::Tensor four_bit_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+// x [M, K] fp32 contiguous times the Bits-bit weight [N, K] transposed: y [M, N] fp32.
+template <int Bits>
+torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  using Byte = typename Grid<Bits>::Byte;
   check_input(x, packed, scales);
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == x.size(1) && scales.dim() == 4 &&
-                  scales.size(2) == 2,
-              "a 4-bit weight: packed uint8 [N / 16, K / 2, 16], scales [N / 16, K / 32, 2, 16]");
+  if constexpr (Bits == 4) {
+    TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == x.size(1) && scales.dim() == 4 &&
+                    scales.size(2) == 2,
+                "a 4-bit weight: packed uint8 [N / 16, K / 2, 16], scales [N / 16, K / 32, 2, 16]");
+  } else {
+    TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.size(1) == x.size(1) && scales.dim() == 3,
+                "an 8-bit weight: packed int8 [N / 16, K, 16], scales [N / 16, K / 32, 16]");
+  }
   const int64_t rows = x.size(0), columns = x.size(1), tiles = packed.size(0), out_stride = tiles * kLanes;
+  const int64_t groups = columns / kGroup;
   auto out = torch::empty({rows, out_stride}, x.options());
   const float* in = x.data_ptr<float>();
-  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const Byte* q = packed.data_ptr<Byte>();
   const at::Half* s = scales.data_ptr<at::Half>();
   float* y = out.data_ptr<float>();
-  const int64_t groups = columns / kGroup;
-  std::vector<float> x_sums(rows * groups);  // sum of x over each group of each row
-  for (int64_t i = 0; i < rows * groups; ++i) {
+  std::vector<float> x_sums(Bits == 4 ? rows * groups : 0);  // sum of x over each group of each row (m's factor)
+  for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
     float sum = 0.f;
     for (int k = 0; k < kGroup; ++k) sum += in[i * kGroup + k];
     x_sums[i] = sum;
   }
   over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
-    tile_product<decltype(block)::value>(in + r * columns, x_sums.data() + r * groups, columns,
-                                         q + t * (columns / 2) * kLanes,
-                                         s + t * (columns / kGroup) * 2 * kLanes, y + r * out_stride + t * kLanes,
-                                         out_stride);
-  });
-  return out;
-}
-
-// x [M, K] fp32 contiguous times the 8-bit weight [N, K] transposed: y [M, N] fp32.
-torch::Tensor eight_bit_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
-  check_input(x, packed, scales);
-  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.size(1) == x.size(1) && scales.dim() == 3,
-              "an 8-bit weight: packed int8 [N / 16, K, 16], scales [N / 16, K / 32, 16]");
-  const int64_t rows = x.size(0), columns = x.size(1), tiles = packed.size(0), out_stride = tiles * kLanes;
-  auto out = torch::empty({rows, out_stride}, x.options());
-  const float* in = x.data_ptr<float>();
-  const int8_t* q = packed.data_ptr<int8_t>();
-  const at::Half* s = scales.data_ptr<at::Half>();
-  float* y = out.data_ptr<float>();
-  over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
-    tile_product_8<decltype(block)::value>(in + r * columns, columns, q + t * columns * kLanes,
-                                           s + t * (columns / kGroup) * kLanes, y + r * out_stride + t * kLanes,
-                                           out_stride);
+    tile_product<Bits, decltype(block)::value>(in + r * columns, x_sums.empty() ? nullptr : &x_sums[r * groups],
+                                               columns, q + t * groups * Grid<Bits>::kBytes,
+                                               s + t * groups * Grid<Bits>::kScales * kLanes,
+                                               y + r * out_stride + t * kLanes, out_stride);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("four_bit_linear", &four_bit_linear, "x [M, K] fp32 times a 4-bit weight's tiles, transposed: [M, N] fp32");
-  m.def("eight_bit_linear", &eight_bit_linear, "x [M, K] fp32 times an 8-bit weight's tiles, transposed: [M, N] fp32");
+  m.def("four_bit_linear", &grid_linear<4>, "x [M, K] fp32 times a 4-bit weight's tiles, transposed: [M, N] fp32");
+  m.def("eight_bit_linear", &grid_linear<8>, "x [M, K] fp32 times an 8-bit weight's tiles, transposed: [M, N] fp32");
 }

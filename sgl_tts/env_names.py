@@ -23,7 +23,8 @@ POLICY = "SGLTTS_POLICY"  # the scheduler policy the plugin installs (policies/p
 POLICY_TRACE = "SGLTTS_POLICY_TRACE"  # a file the plugin appends each reordered queue to (tests)
 CPU_ATTENTION = "SGLTTS_CPU_ATTENTION"  # "paged" or "batched": the decode attention of policies/cpu_attention.py
 CPU_LINEAR = "SGLTTS_CPU_LINEAR"  # "packed": the plugin's oneDNN linear layers (policies/cpu_linear.py), "packed-bf16"
-# on bf16 weights, "packed-bf16-int4" / "packed-int4": bf16 / fp32, and 4-bit-grid weights from 4 bits at a few rows
+# on bf16 weights, "packed-bf16-int4" / "packed-int4": bf16 / fp32, and 4- or 8-bit-grid weights from those bits at a
+# few rows
 CPU_LAYERS = "SGLTTS_CPU_LAYERS"  # "fused": compiled RMSNorm and rotary embedding (policies/cpu_layers.py)
 CPU_DECODE = "SGLTTS_CPU_DECODE"  # "lean": a Llama decode step as one loop over the kernels (policies/lean_decode.py)
 DP_PLACEMENT = "SGLTTS_DP_PLACEMENT"  # "search": a run's requests on one DP rank (policies/search_placement.py)

@@ -370,8 +370,10 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
         hf_model = AutoModelForCausalLM.from_pretrained(first.model_path, dtype=getattr(torch, hf_dtype))
         hf_model.eval()
         parameters = sum(parameter.numel() for parameter in hf_model.parameters())
-        grid_bytes = grid_read_bytes(step_weights(AutoModelForCausalLM.from_pretrained(first.model_path,
-                                                                                    dtype=torch.float32)))
+        fp32_model = hf_model if hf_dtype == "float32" else AutoModelForCausalLM.from_pretrained(
+            first.model_path, dtype=torch.float32)  # grids are found on fp32 weights (bf16 ones are off them)
+        grid_bytes = grid_read_bytes(step_weights(fp32_model))
+        del fp32_model
         print(machine_line(measure_machine(), parameters, parallel, grid_bytes), flush=True)
         measures: dict[str, Callable[[int], Sample]] = {}
         for name, runtime in runtimes.items():
