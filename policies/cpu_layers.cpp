@@ -136,8 +136,10 @@ std::vector<torch::Tensor> rotary(const torch::Tensor& positions, const torch::T
           rotate(key, position, cache, head_size, rotary_dim, neox)};
 }
 
+#ifndef SGLTTS_ONE_UNIT  // policies/decode_step.cpp is compiled after this file, with a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual) (float32)");
   m.def("rotary", &rotary, "rotary embedding of query and key at positions (float32), new tensors");
 }
+#endif

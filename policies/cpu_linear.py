@@ -269,6 +269,14 @@ def tell_grid_read(listener: Callable[[str], None]) -> None:
     _grid_listeners.append(listener)
 
 
+def told_grid_read(rows: int, module: Any) -> None:
+    """Tell the listeners of `tell_grid_read`, once, that a product of `rows` rows read `module`'s weight from its
+    grid."""
+    while _grid_listeners:
+        _grid_listeners.pop()(f"a product of {rows} row(s) read its {tuple(module.weight.shape)} weight from "
+                              f"{grid_bits(grid_weight(module))} bits")
+
+
 def per_weight(module: Any, attribute: str, derive: Callable[[Any], Any]) -> Any:
     """`derive(module.weight)` (detached), kept in `module.<attribute>` with the weight's identity (storage,
     version, shape): derived once per weight, and again after it changed in place."""
@@ -326,9 +334,7 @@ def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grid
         tiles = grid_weight(module)  # found on the first call, whatever its rows
         rows = x.numel() // x.shape[-1]
         if tiles is not None and rows <= GRID_ROWS[bf16][grid_bits(tiles)]:
-            while _grid_listeners:
-                _grid_listeners.pop()(f"a product of {rows} row(s) read its {tuple(module.weight.shape)} weight "
-                                      f"from {grid_bits(tiles)} bits")
+            told_grid_read(rows, module)
             return grid_linear(x, tiles, bias)
     if bf16:
         return bf16_packed_linear(x, packed_bf16_weight(module), bias)

@@ -229,7 +229,9 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return out;
 }
 
+#ifndef SGLTTS_ONE_UNIT  // policies/decode_step.cpp is compiled after this file, with a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("four_bit_linear", &grid_linear<4>, "x [M, K] fp32 times a 4-bit weight's tiles, transposed: [M, N] fp32");
   m.def("eight_bit_linear", &grid_linear<8>, "x [M, K] fp32 times an 8-bit weight's tiles, transposed: [M, N] fp32");
 }
+#endif

@@ -27,14 +27,27 @@ unquantized fp32 weights, no LoRA, no auxiliary captures, no sliding window); ex
 to SGLang's forward. A layer whose forward another hook wrapped is taken only when that hook also left the
 capture it needs (`CAPTURE`, a callable(residual, forward_batch); policies/probe_readout.py leaves one), else the
 whole step goes to SGLang.
+
+Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
+or `packed-bf16-int4`, at most `cpu_linear.GRID_ROWS` rows) and no layer has a capture, the loop runs compiled
+(`policies/decode_step.cpp`: the same kernel calls in C++, one Python call a step), else in Python;
+$SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any, Callable
 
 TARGET = "sglang.srt.models.llama.LlamaModel.forward"
 LEAN = "lean"  # the value of $SGLTTS_CPU_DECODE that installs it
+LEAN_PYTHON = "lean-python"  # the value that installs it with the loop in Python at every step
+VALUES = (LEAN, LEAN_PYTHON)
+# The compiled step: policies/decode_step.cpp after the kernels whose functions it calls, in one translation unit.
+STEP_SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_layers.cpp", "paged_attention.cpp", "grid_linear.cpp", "decode_step.cpp"))
+_STEP = "_sgltts_compiled_step"  # model attribute: (identity, DecodeStep or None, rows it computes)
 CAPTURE = "_sgltts_residual_capture"  # a decoder layer's attribute: called with the residual at the layer's entry
 _REFUSAL = "_sgltts_lean_refusal"  # model attribute: why the lean step does not compute the model (None: it does)
 
@@ -116,6 +129,65 @@ def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_
                         req_to_token=backend.req_to_token_pool.req_to_token)
 
 
+@functools.lru_cache(maxsize=None)
+def step_kernel() -> Any:
+    """STEP_SOURCES compiled for this CPU with OpenMP (the modules of the kernel sources left out), or None when
+    they cannot be built."""
+    from policies.cpu_attention import build_kernel
+
+    text = b"#define SGLTTS_ONE_UNIT\n" + b"\n".join(source.read_bytes() for source in STEP_SOURCES)
+    return build_kernel(text, STEP_SOURCES[-1], threads=True)
+
+
+def projections(layer: Any) -> tuple[Any, Any, Any, Any]:
+    """A decoder layer's four linear layers, in the order of the step."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
+    """(`model`'s compiled step over the KV buffers of `pool`, the most rows at which every projection reads its
+    grid), or None where a projection has no grid, the pool is not a plain fp32 or bf16 one, or the kernel is not
+    built."""
+    import torch
+
+    from policies.cpu_linear import GRID_ROWS, grid_bits, grid_weight
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kernel = step_kernel()
+    if (kernel is None or type(pool) is not MHATokenToKVPool or pool.is_quantized_kv_cache
+            or pool.store_dtype != pool.dtype or pool.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    step, rows = kernel.DecodeStep(model.norm.weight, model.norm.variance_epsilon), []
+    for layer in model.layers:
+        linears = projections(layer)
+        tiles = [grid_weight(linear) for linear in linears]
+        if any(tile is None for tile in tiles):
+            return None
+        rows += [GRID_ROWS[bf16][grid_bits(tile)] for tile in tiles]
+        attention, attn = layer.self_attn, layer.self_attn.attn
+        rotary = attention.rotary_emb
+        step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                       layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                       [packed for packed, _ in tiles], [scales for _, scales in tiles],
+                       [linear.bias for linear in linears], rotary.cos_sin_cache, rotary.head_size,
+                       bool(rotary.is_neox_style), pool.get_key_buffer(attn.layer_id),
+                       pool.get_value_buffer(attn.layer_id), attn.tp_q_head_num, attn.tp_k_head_num,
+                       attn.qk_head_dim, float(attn.scaling))
+    return step, min(rows)
+
+
+def compiled_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
+    """`build_step(model, pool, bf16)`, built once and again after a weight or the pool's buffers changed."""
+    weights = [linear.weight for layer in model.layers for linear in projections(layer)]
+    identity = (id(pool), pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id).data_ptr(), bf16,
+                [(weight.data_ptr(), weight._version) for weight in weights])
+    cached = getattr(model, _STEP, None)
+    if cached is None or cached[0] != identity:
+        cached = (identity, build_step(model, pool, bf16))
+        setattr(model, _STEP, cached)
+    return cached[1]
+
+
 def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any, layer_captures: list[Any],
                  bf16: bool, grids: bool = False) -> Any:
     """The decode step of `model` (the module docstring's loop): the final norm's output [batch, hidden]."""
@@ -167,12 +239,23 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
     return kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def make_forward_hook(bf16: bool, grids: bool = False,
+def compiled_forward(step: Any, model: Any, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
+    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`)."""
+    from policies.cpu_linear import told_grid_read
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    told_grid_read(len(input_ids), projections(model.layers[0])[0])
+    return step.forward(model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc,
+                        get_attn_backend().req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                        forward_batch.seq_lens)
+
+
+def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
                       announce: Callable[[str], None] = lambda line: None) -> Callable[..., Any]:
     """An AROUND hook for `LlamaModel.forward`: `lean_forward` where `takes` says so (projections on bf16
     weights with `bf16`, and from their 4- or 8-bit grids at a few rows with `grids`, as the packed linear hook
-    computes them), SGLang's forward elsewhere. `announce` hears once per process that a step was taken, or why a
-    model is not."""
+    computes them; the loop compiled where `compiled` and the grids allow), SGLang's forward elsewhere. `announce`
+    hears once per process that a step was taken, or why a model is not."""
     told: set[str] = set()
 
     def tell(line: str) -> None:
@@ -189,6 +272,13 @@ def make_forward_hook(bf16: bool, grids: bool = False,
             if refusal(model) is not None:
                 tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+        if compiled and grids and not any(layer_captures):
+            from sglang.srt.model_executor.forward_context import get_attn_backend
+
+            step = compiled_step(model, get_attn_backend().token_to_kv_pool, bf16)
+            if step is not None and len(input_ids) <= step[1]:
+                tell(f"lean decode took a compiled step ({len(model.layers)} layers)")
+                return compiled_forward(step[0], model, input_ids, positions, forward_batch)
         tell(f"lean decode took a step ({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 

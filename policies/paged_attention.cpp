@@ -291,7 +291,9 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
   }
 }
 
+#ifndef SGLTTS_ONE_UNIT  // policies/decode_step.cpp is compiled after this file, with a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention of the last extend_lens tokens of each sequence, read "
         "from the paged KV pool (float32 queries; float32 or bfloat16 keys and values)");
 }
+#endif

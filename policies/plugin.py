@@ -117,15 +117,16 @@ def register() -> None:
                              (cpu_layers.ROTARY_TARGET, cpu_layers.rotary_hook, "AROUND")],
                             f"compiled RMSNorm and rotary embedding installed on {cpu_layers.NORM_TARGET} and "
                             f"{cpu_layers.ROTARY_TARGET}"))
-    if (env_names.read(env_names.CPU_DECODE) or "").strip() == lean_decode.LEAN:
+    decode = (env_names.read(env_names.CPU_DECODE) or "").strip()
+    if decode in lean_decode.VALUES:
         kernels = {env_names.CPU_ATTENTION: attention == cpu_attention.PAGED,
                    env_names.CPU_LINEAR: linear in cpu_linear.VALUES,
                    env_names.CPU_LAYERS: (env_names.read(env_names.CPU_LAYERS) or "").strip() == cpu_layers.FUSED}
         if all(kernels.values()):
             hook = lean_decode.make_forward_hook(bf16=linear in cpu_linear.BF16, grids=linear in cpu_linear.FOUR_BIT,
-                                                 announce=announce)
+                                                 compiled=decode == lean_decode.LEAN, announce=announce)
             switched_on.append(([(lean_decode.TARGET, hook, "AROUND")],
-                                f"lean decode installed on {lean_decode.TARGET}"))
+                                f"lean decode ({decode}) installed on {lean_decode.TARGET}"))
         else:
             announce(f"lean decode not installed: it computes with the kernels of "
                      f"{', '.join(name for name, on in kernels.items() if not on)}, which are not installed")

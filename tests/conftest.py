@@ -43,6 +43,32 @@ def tiny_runtime(tmp_path_factory, tiny_probe_head):
 
 
 @pytest.fixture(scope="session")
+def tiny_grid_model(tiny_runtime, tmp_path_factory):
+    """(folder, fp32 model): the tiny model with every decoder linear weight put on a Q4_1 grid and its embedding
+    (its tied LM head) on a Q8_0 grid, as a GGUF file's converted weights are, saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from policies import cpu_linear
+
+    if cpu_linear.grid_kernels() is None:
+        pytest.skip("no compiler for the grid kernel")
+    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".layers." in name and parameter.dim() == 2:
+                parameter.copy_(cpu_linear.q4_1_round(parameter))
+                assert cpu_linear.grid_tiles(parameter) is not None
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(cpu_linear.q8_0_round(embedding))
+        assert cpu_linear.grid_bits(cpu_linear.grid_tiles(embedding)) == 8
+    folder = tmp_path_factory.mktemp("tiny-quantized")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_runtime.model_path).save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="session")
 def tiny_search_runtimes(tiny_runtime):
     """Runtimes for search programs: generator and likelihood scorer both on the tiny runtime."""
     from transformers import AutoTokenizer

@@ -416,38 +416,24 @@ def test_a_bf16_runtime_decodes_as_transformers_does_to_bf16s_precision(tiny_run
 
 @pytest.mark.runtime
 @pytest.mark.parametrize("linear", ["packed-bf16-int4", "packed-int4"])
-def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_runtime, tmp_path, linear):
+def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_grid_model, tmp_path, linear):
     """The tiny model with every decoder linear weight put on a Q4_1 grid and its embedding (its tied LM head) on a
     Q8_0 grid, as a GGUF file's converted weights are, served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default
     where the CPU has AMX) or packed-int4 (where it has AVX2 and no AMX): one request at a time reads the grids (the
     plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model; with packed-int4 to fp32's
     precision (a grid product is the fp32 weight's, and longer prompts' prefills read fp32), with packed-bf16-int4
     to bf16's (those prefills read bf16)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
-    if cpu_linear.grid_kernels() is None:
-        pytest.skip("no compiler for the grid kernel")
-    model = AutoModelForCausalLM.from_pretrained(tiny_runtime.model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".layers." in name and parameter.dim() == 2:
-                parameter.copy_(cpu_linear.q4_1_round(parameter))
-                assert cpu_linear.grid_tiles(parameter) is not None
-        embedding = model.get_input_embeddings().weight
-        embedding.copy_(cpu_linear.q8_0_round(embedding))
-        assert cpu_linear.grid_bits(cpu_linear.grid_tiles(embedding)) == 8
-    folder = tmp_path / "tiny-quantized"
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_runtime.model_path).save_pretrained(folder)
+    folder, model = tiny_grid_model
     config = RuntimeConfig(model=str(folder), max_total_tokens=4096, env={env_names.CPU_LINEAR: linear})
     with Runtime.start(config, name="tiny-grids", log_dir=tmp_path) as grid_runtime:
         served = [greedy_logprobs(grid_runtime.url, ids) for ids in BF16_PROMPTS]
         log = grid_runtime.log_path.read_text()
     assert f"{linear} linear layers installed" in log
     assert "row(s) read its" in log and "weight from 4 bits" in log
+    assert "lean decode took a compiled step" in log  # policies/decode_step.cpp
     for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]
         got = torch.tensor([logprob for logprob, _, _ in answer])

@@ -1,5 +1,6 @@
 """`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
-kernel, the norm and rotary kernels and the products on 4- and 8-bit weights); idempotent.
+kernel, the norm and rotary kernels, the products on 4- and 8-bit weights and the compiled decode step);
+idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -12,6 +13,7 @@ import time
 from policies.cpu_attention import paged_kernel
 from policies.cpu_layers import layer_kernels
 from policies.cpu_linear import grid_kernels
+from policies.lean_decode import step_kernel
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
 from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
 
@@ -28,6 +30,8 @@ def provision() -> None:
     print(f"setup: norm and rotary kernels {layers}", flush=True)
     grids = "built" if grid_kernels() is not None else "not built: every weight is read from its packed copy"
     print(f"setup: 4- and 8-bit weight products {grids}", flush=True)
+    step = "built" if step_kernel() is not None else "not built: the decode step's loop runs in Python"
+    print(f"setup: compiled decode step {step}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 
