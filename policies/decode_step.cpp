@@ -1,12 +1,17 @@
 // A Llama decode step whose every projection reads its weight from a 4- or 8-bit grid, as one call: the loop of
 // policies/lean_decode.py (its docstring has the arithmetic) over the same kernels, without a Python call between
-// them. At the 1-12 rows of a search's step the lean step's ~14 Python calls a layer (the kernels' and torch's
+// them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-12 rows of a search's step the lean step's ~14 Python calls a layer (the kernels' and torch's
 // dispatch, tensor views, attribute reads) cost about as much as its arithmetic; here they are C++ calls.
 //
 // policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp and
 // policies/grid_linear.cpp in one translation unit (their modules left out by SGLTTS_ONE_UNIT), with OpenMP, and
 // calls the same functions they export, in the same order, on the same inputs: the same hidden states (the tiny
 // model's logprobs were the Python loop's to the bit, run against run; tests/test_lean_decode.py).
+
+#include <pybind11/functional.h>
+
+#include <algorithm>
+#include <functional>
 
 namespace {
 
@@ -62,14 +67,18 @@ class DecodeStep {
   }
 
   // hidden [B, H]: the embedded tokens; one token a sequence at positions [B]; its K and V written to the pool's
-  // slots out_cache_loc [B]. Returns the final norm's output [B, H].
+  // slots out_cache_loc [B]; capture(i, residual) called at the entry of each layer i in capture_layers (with the
+  // Python interpreter's lock, which the step otherwise leaves to other threads). Returns the final norm's output
+  // [B, H].
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& positions, const torch::Tensor& out_cache_loc,
                         const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
-                        const torch::Tensor& seq_lens) const {
+                        const torch::Tensor& seq_lens, const std::vector<int64_t>& capture_layers,
+                        const std::function<void(int64_t, torch::Tensor)>& capture) const {
     const auto one_token_each = torch::ones_like(seq_lens);
     const auto slots = out_cache_loc.to(torch::kLong);
     torch::Tensor residual, x;
-    for (const Layer& layer : layers_) {
+    for (int64_t index = 0; index < static_cast<int64_t>(layers_.size()); ++index) {
+      const Layer& layer = layers_[index];
       if (!residual.defined()) {
         residual = hidden;
         x = rms_norm(hidden, layer.norm_in, layer.eps_in);
@@ -77,6 +86,9 @@ class DecodeStep {
         auto normed = add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in);
         x = normed[0];
         residual = normed[1];
+      }
+      if (std::find(capture_layers.begin(), capture_layers.end(), index) != capture_layers.end()) {
+        capture(index, residual);  // pybind11's wrapper of a Python callable takes the lock for the call
       }
       const int64_t q_size = layer.q_heads * layer.head_dim, kv_size = layer.kv_heads * layer.head_dim;
       auto qkv = layer.qkv(x).split_with_sizes({q_size, kv_size, kv_size}, -1);

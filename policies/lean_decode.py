@@ -29,8 +29,8 @@ capture it needs (`CAPTURE`, a callable(residual, forward_batch); policies/probe
 whole step goes to SGLang.
 
 Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
-or `packed-bf16-int4`, at most `cpu_linear.GRID_ROWS` rows) and no layer has a capture, the loop runs compiled
-(`policies/decode_step.cpp`: the same kernel calls in C++, one Python call a step), else in Python;
+or `packed-bf16-int4`, at most `cpu_linear.GRID_ROWS` rows), the loop runs compiled (`policies/decode_step.cpp`: the
+same kernel calls in C++, one Python call a step and one a capture), else in Python;
 $SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
 """
 
@@ -239,15 +239,18 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
     return kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def compiled_forward(step: Any, model: Any, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
-    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`)."""
+def compiled_forward(step: Any, model: Any, input_ids: Any, positions: Any, forward_batch: Any,
+                     layer_captures: list[Any]) -> Any:
+    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`), which calls the layers' captures."""
     from policies.cpu_linear import told_grid_read
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
     told_grid_read(len(input_ids), projections(model.layers[0])[0])
+    captured = [index for index, capture in enumerate(layer_captures) if capture is not None]
     return step.forward(model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc,
                         get_attn_backend().req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                        forward_batch.seq_lens)
+                        forward_batch.seq_lens, captured,
+                        lambda index, residual: layer_captures[index](residual, forward_batch))
 
 
 def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
@@ -272,13 +275,13 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
             if refusal(model) is not None:
                 tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        if compiled and grids and not any(layer_captures):
+        if compiled and grids:
             from sglang.srt.model_executor.forward_context import get_attn_backend
 
             step = compiled_step(model, get_attn_backend().token_to_kv_pool, bf16)
             if step is not None and len(input_ids) <= step[1]:
                 tell(f"lean decode took a compiled step ({len(model.layers)} layers)")
-                return compiled_forward(step[0], model, input_ids, positions, forward_batch)
+                return compiled_forward(step[0], model, input_ids, positions, forward_batch, layer_captures)
         tell(f"lean decode took a step ({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 

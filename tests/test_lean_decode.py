@@ -62,22 +62,27 @@ def test_the_lean_step_decodes_and_records_margins_as_sglangs_layers_do(tiny_run
 
 
 @pytest.mark.runtime
-def test_the_compiled_step_decodes_as_the_python_loop_does(tiny_grid_model, tmp_path):
-    """The tiny model on its grids, served twice with its products read from them: the compiled step
-    (policies/decode_step.cpp, the default) and the same loop in Python ($SGLTTS_CPU_DECODE=lean-python) decode a
-    batch of sequences of different lengths to the same tokens with the same logprobs: the same kernels on the
-    same inputs in the same order. (To 1e-5, not to the bit: two runs of either one now and then differ by ~1e-6
-    in a late token; measured run against run, the two loops agreed to the bit.)"""
+def test_the_compiled_step_decodes_and_records_margins_as_the_python_loop_does(tiny_grid_model, tiny_probe_head,
+                                                                                tmp_path):
+    """The tiny model on its grids, with the probe head, served twice with its products read from the grids: the
+    compiled step (policies/decode_step.cpp, the default) and the same loop in Python ($SGLTTS_CPU_DECODE=
+    lean-python) decode a batch of sequences of different lengths to the same tokens with the same logprobs, and
+    the compiled step calls the head's capture at its layer: the same margins. The same kernels on the same inputs
+    in the same order. (To 1e-5, not to the bit: two runs of either one now and then differ by ~1e-6 in a late
+    token; measured run against run, the two loops agreed to the bit.)"""
     from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
     folder, _ = tiny_grid_model
-    served, logs = {}, {}
+    served, margins, logs = {}, {}, {}
     for decode in (lean_decode.LEAN, lean_decode.LEAN_PYTHON):
         config = RuntimeConfig(model=str(folder), max_total_tokens=4096,
-                               env={env_names.CPU_LINEAR: "packed-int4", env_names.CPU_DECODE: decode})
+                               env={env_names.CPU_LINEAR: "packed-int4", env_names.CPU_DECODE: decode,
+                                    env_names.PROBE_HEAD: str(tiny_probe_head)})
         with Runtime.start(config, name=f"tiny-{decode}", log_dir=tmp_path) as runtime:
             served[decode] = decode_all(runtime.url, PROMPTS)
+            margins[decode] = [margins_of(runtime.url, ids + answer["output_ids"])
+                               for ids, answer in zip(PROMPTS, served[decode])]
             logs[decode] = runtime.log_path.read_text()
     assert "lean decode took a compiled step (2 layers)" in logs[lean_decode.LEAN]
     assert "compiled step" not in logs[lean_decode.LEAN_PYTHON]
@@ -87,6 +92,9 @@ def test_the_compiled_step_decodes_as_the_python_loop_does(tiny_grid_model, tmp_
         logprobs = [torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
                     for answer in (compiled, python)]
         torch.testing.assert_close(*logprobs, rtol=0, atol=1e-5)
+    for compiled, python in zip(margins[lean_decode.LEAN], margins[lean_decode.LEAN_PYTHON]):
+        assert len(compiled) > 16  # the prompt's and the decoded tokens' margins
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(python), rtol=0, atol=1e-5)
 
 
 def a_layer(**attributes):
