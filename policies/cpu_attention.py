@@ -48,6 +48,7 @@ PAGED = "paged"  # paged_decode and paged_extend (batched_decode and SGLang's ex
 VALUES = (BATCHED, PAGED)
 KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}  # torch's CPU capability -> the kernel's -march
+VNNI = "avx512_vnni"  # the /proc/cpuinfo flag of AVX-512's integer dot products: kernels built with them too
 
 
 def batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -89,9 +90,13 @@ def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool =
 
     from sgl_tts.env_names import cache_root
     from sgl_tts.paths import write_atomic
+    from sgl_tts.runtime.hardware import cpu_flags
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])
+    if level == "AVX512" and VNNI in cpu_flags():  # x86-64-v4 leaves out VNNI's dot products (grid_linear.cpp)
+        flags.append("-mavx512vnni")
+        level += "_VNNI"
     # at::parallel_for splits its range over torch's OpenMP threads only in code compiled with OpenMP (the library
     # it links is the one torch loaded); without it a call runs on the calling thread.
     openmp = ["-fopenmp"] if threads else []

@@ -5,8 +5,8 @@
 //
 // policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp and
 // policies/grid_linear.cpp in one translation unit (their modules left out by SGLTTS_ONE_UNIT), with OpenMP, and
-// calls the same functions they export, in the same order, on the same inputs: the same hidden states (the tiny
-// model's logprobs were the Python loop's to the bit, run against run; tests/test_lean_decode.py).
+// calls the same functions they export, in the same order, on the same inputs: the same hidden states (one sequence
+// at a time, the tiny model's logprobs are the Python loop's to the bit: tests/test_lean_decode.py).
 
 #include <pybind11/functional.h>
 

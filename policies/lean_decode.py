@@ -29,7 +29,7 @@ capture it needs (`CAPTURE`, a callable(residual, forward_batch); policies/probe
 whole step goes to SGLang.
 
 Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
-or `packed-bf16-int4`, at most `cpu_linear.GRID_ROWS` rows), the loop runs compiled (`policies/decode_step.cpp`: the
+or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs compiled (`policies/decode_step.cpp`: the
 same kernel calls in C++, one Python call a step and one a capture), else in Python;
 $SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
 """
@@ -150,7 +150,7 @@ def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
     built."""
     import torch
 
-    from policies.cpu_linear import GRID_ROWS, grid_bits, grid_weight
+    from policies.cpu_linear import grid_bits, grid_weight, most_grid_rows
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     kernel = step_kernel()
@@ -163,7 +163,7 @@ def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
         tiles = [grid_weight(linear) for linear in linears]
         if any(tile is None for tile in tiles):
             return None
-        rows += [GRID_ROWS[bf16][grid_bits(tile)] for tile in tiles]
+        rows += [most_grid_rows(bf16, grid_bits(tile)) for tile in tiles]
         attention, attn = layer.self_attn, layer.self_attn.attn
         rotary = attention.rotary_emb
         step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,

@@ -142,10 +142,12 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     """The tiles hold the weight exactly (rebuilt from the layout alone), and the kernel's product over any number
     of rows (blocks of 8, 4, 2 and 1) is the float64 product of the fp32 weight and x within fp32's bound for a
     sum of K products (K eps sum_k |x_k w_k|), plus the bias: no bf16 rounding anywhere (the bf16 copy's error
-    is ~2^-8 of the magnitude, far above the bound)."""
+    is ~2^-8 of the magnitude, far above the bound). Where a 4-bit product takes x on its 16-bit grid (VNNI), it
+    is the float64 product of that x (`sixteen_bit_x`, with the zeros' term m sum x of the fp32 x) within the same
+    bound, and the fp32 product within the grid's rounding (s / 2 per x) more."""
     if cpu_linear.grid_kernels() is None:
         pytest.skip("no compiler for the grid kernel")
-    layer, _ = make(64, 576, seed=rows)
+    layer, truth = make(64, 576, seed=rows)
     tiles = cpu_linear.grid_tiles(layer.weight)
     assert cpu_linear.grid_bits(tiles) == (4 if make is four_bit_layer else 8)
     assert torch.equal(unpacked(tiles), layer.weight.double())
@@ -154,7 +156,21 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     got = cpu_linear.grid_linear(x, tiles, bias)
     exact = x.double() @ layer.weight.double().T + bias.double()
     bound = 576 * torch.finfo(torch.float32).eps * (x.double().abs() @ layer.weight.double().abs().T + bias.abs())
-    assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all()
+    assert got.dtype == torch.float32
+    if make is four_bit_layer and cpu_linear.grid_kernels().four_bit_x_bits == 16:
+        x16, step = cpu_linear.sixteen_bit_x(x)
+        rounded = (x16.reshape(rows, 18, 32) * step[..., None].double()).reshape(rows, 576)
+        off = (rounded - x.double()).abs().reshape(rows, 18, 32)
+        assert (off <= 0.501 * step[..., None].double()).all()  # s / 2, and fp32's rounding of x / s (<= 32767 eps)
+        slope = (truth["d"][..., None] * truth["q"].reshape(64, 18, 32)).reshape(64, 576).double()  # w - m
+        zeros = truth["m"].double().repeat_interleave(32, dim=1)  # m
+        on_grid = rounded @ slope.T + x.double() @ zeros.T + bias.double()
+        assert ((got.double() - on_grid).abs() <= bound).all()
+        rounding = (0.501 * step.double().repeat_interleave(32, dim=1)) @ slope.abs().T
+        assert ((got.double() - exact).abs() <= bound + rounding).all()
+        assert (got.double() - exact).abs().max() > bound.max() / 100  # x was rounded: not the fp32 product
+    else:
+        assert ((got.double() - exact).abs() <= bound).all()
     assert torch.equal(cpu_linear.grid_linear(x.reshape(rows, 1, 576), tiles, bias).reshape(rows, 64), got)
     assert cpu_linear.grid_tiles(layer.weight[:40]) is None  # N not a multiple of 16: the kernel's layout
 
@@ -163,8 +179,8 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     (cpu_linear.PACKED_BF16_INT4, lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
     (cpu_linear.PACKED_INT4, lambda x, layer: packed_linear(x, packed_weight(layer)))])
 def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, beyond):
-    """A 4-bit layer and an 8-bit head from their grids up to GRID_ROWS rows, larger products and weights off both
-    grids from the packed copy; the first grid read is told once."""
+    """A 4-bit layer and an 8-bit head from their grids up to `most_grid_rows` rows, larger products and weights off
+    both grids from the packed copy; the first grid read is told once."""
     if cpu_linear.grid_kernels() is None:
         pytest.skip("no compiler for the grid kernel")
     from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
@@ -177,7 +193,7 @@ def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, b
     heard = []
     cpu_linear.tell_grid_read(heard.append)
     sglang = lambda *args: "sglang"  # noqa: E731
-    most = cpu_linear.GRID_ROWS[value in cpu_linear.BF16]
+    most = {bits: cpu_linear.most_grid_rows(value in cpu_linear.BF16, bits) for bits in (4, 8)}
     for rows in sorted({1, most[4], most[4] + 1, most[8], most[8] + 1}):
         x = torch.randn(rows, 576)
         from_grid = cpu_linear.grid_linear(x, cpu_linear.grid_weight(layer))
@@ -420,9 +436,9 @@ def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_grid
     """The tiny model with every decoder linear weight put on a Q4_1 grid and its embedding (its tied LM head) on a
     Q8_0 grid, as a GGUF file's converted weights are, served with $SGLTTS_CPU_LINEAR=packed-bf16-int4 (the default
     where the CPU has AMX) or packed-int4 (where it has AVX2 and no AMX): one request at a time reads the grids (the
-    plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model; with packed-int4 to fp32's
-    precision (a grid product is the fp32 weight's, and longer prompts' prefills read fp32), with packed-bf16-int4
-    to bf16's (those prefills read bf16)."""
+    plugin says so), and greedy decoding keeps transformers' fp32 logprobs of that model; with packed-int4 to 1e-3
+    (a grid product is the fp32 weight's, or with VNNI that of x within 1.5e-5 of its group's largest |x|, and
+    longer prompts' prefills read fp32), with packed-bf16-int4 to bf16's precision (those prefills read bf16)."""
     from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 
@@ -437,6 +453,6 @@ def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_grid
     for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]
         got = torch.tensor([logprob for logprob, _, _ in answer])
-        fp32_prefills = linear == cpu_linear.PACKED_INT4 or len(ids) <= cpu_linear.GRID_ROWS[True][8]
+        fp32_prefills = linear == cpu_linear.PACKED_INT4 or len(ids) <= cpu_linear.most_grid_rows(True, 8)
         torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=1e-3 if fp32_prefills else 2e-2,
                                    rtol=0)
