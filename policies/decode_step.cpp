@@ -1,7 +1,8 @@
 // A Llama decode step whose every projection reads its weight from a 4- or 8-bit grid, as one call: the loop of
 // policies/lean_decode.py (its docstring has the arithmetic) over the same kernels, without a Python call between
-// them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-12 rows of a search's step the lean step's ~14 Python calls a layer (the kernels' and torch's
-// dispatch, tensor views, attribute reads) cost about as much as its arithmetic; here they are C++ calls.
+// them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-32 rows of a search's step
+// the lean step's ~14 Python calls a layer (the kernels' and torch's dispatch, tensor views, attribute reads) cost
+// about as much as its arithmetic; here they are C++ calls.
 //
 // policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp and
 // policies/grid_linear.cpp in one translation unit (their modules left out by SGLTTS_ONE_UNIT), with OpenMP, and
@@ -21,7 +22,8 @@ struct GridProduct {
   int64_t bits;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    auto y = bits == 4 ? grid_linear<4>(x.contiguous(), packed, scales) : grid_linear<8>(x.contiguous(), packed, scales);
+    const auto rows = x.contiguous();
+    auto y = bits == 4 ? grid_linear<4>(rows, packed, scales) : grid_linear<8>(rows, packed, scales);
     return bias.defined() ? y + bias : y;
   }
 };
@@ -60,8 +62,10 @@ class DecodeStep {
                 "a layer has four products: qkv, o, gate_up, down");
     TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches share a dtype");
     layers_.push_back(Layer{std::move(norm_in), std::move(norm_post), eps_in, eps_post,
-                            grid_product(packed[0], scales[0], biases[0]), grid_product(packed[1], scales[1], biases[1]),
-                            grid_product(packed[2], scales[2], biases[2]), grid_product(packed[3], scales[3], biases[3]),
+                            grid_product(packed[0], scales[0], biases[0]),
+                            grid_product(packed[1], scales[1], biases[1]),
+                            grid_product(packed[2], scales[2], biases[2]),
+                            grid_product(packed[3], scales[3], biases[3]),
                             std::move(cos_sin_cache), head_size, neox, std::move(k_cache), std::move(v_cache), q_heads,
                             kv_heads, head_dim, scaling});
   }

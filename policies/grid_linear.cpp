@@ -247,7 +247,8 @@ void over_tiles_and_rows(int64_t tiles, int64_t rows, const Product& product) {
     float largest = 0.f;
     for (int k = 0; k < kGroup; ++k) largest = std::max(largest, std::fabs(x[i * kGroup + k]));
     const float step = largest / 32767.f, inverse = step > 0.f ? 1.f / step : 0.f;
-    for (int k = 0; k < kGroup; ++k) x16[i * kGroup + k] = static_cast<int16_t>(std::nearbyint(x[i * kGroup + k] * inverse));
+    for (int k = 0; k < kGroup; ++k)
+      x16[i * kGroup + k] = static_cast<int16_t>(std::nearbyint(x[i * kGroup + k] * inverse));
     steps[i] = step;
   }
 }
