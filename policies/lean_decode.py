@@ -47,7 +47,7 @@ VALUES = (LEAN, LEAN_PYTHON)
 # The compiled step: policies/decode_step.cpp after the kernels whose functions it calls, in one translation unit.
 STEP_SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "cpu_layers.cpp", "paged_attention.cpp", "grid_linear.cpp", "decode_step.cpp"))
-_STEP = "_sgltts_compiled_step"  # model attribute: (identity, DecodeStep or None, rows it computes)
+_STEP = "_sgltts_compiled_step"  # model attribute: (identity, (DecodeStep, the most rows it computes) or None)
 CAPTURE = "_sgltts_residual_capture"  # a decoder layer's attribute: called with the residual at the layer's entry
 _REFUSAL = "_sgltts_lean_refusal"  # model attribute: why the lean step does not compute the model (None: it does)
 

@@ -86,6 +86,27 @@ def test_the_kernel_builds_from_its_own_copy_of_the_source(tmp_path, monkeypatch
         paged_kernel.cache_clear()
 
 
+@pytest.mark.parametrize("level, flags, vnni", [("AVX512", {"avx512f", "avx512_vnni"}, True),
+                                               ("AVX512", {"avx512f"}, False), ("AVX2", {"avx2", "avx512_vnni"}, False)])
+def test_kernels_use_vnni_where_the_cpu_has_it(tmp_path, monkeypatch, level, flags, vnni):
+    """An AVX-512 build adds VNNI's dot products where /proc/cpuinfo lists avx512_vnni (x86-64-v4 leaves them out),
+    under a name of its own, so a cache shared with a CPU without them never loads them there."""
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    import policies.cpu_attention as cpu_attention
+    from sgl_tts.runtime import hardware
+
+    monkeypatch.setenv("SGLTTS_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: level)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: flags)
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
+    assert cpu_attention.build_kernel(b"// a kernel", tmp_path / "kernel.cpp") == "built"
+    assert ("-mavx512vnni" in calls[0]["extra_cflags"]) == vnni
+    assert calls[0]["name"].startswith(f"sgltts_kernel_{level.lower()}{'_vnni' if vnni else ''}_")
+
+
 @pytest.mark.parametrize("batch", [1, 2, 7, 32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 16), (9, 9, 16), (9, 3, 64), (9, 9, 64), (8, 1, 64),
                                                 (14, 2, 64), (12, 2, 128), (10, 1, 64)])
