@@ -240,18 +240,31 @@ void over_tiles_and_rows(int64_t tiles, int64_t rows, const Product& product) {
   });
 }
 
+#if defined(__AVX512VNNI__)
+constexpr int64_t kGroupsPerTask = 256;  // groups of x a thread puts on its grid at least (fewer: the caller alone)
+
 // Each group of 32 values of x on its 16-bit grid: step s = max |x| / 32767 (0 for a group of zeros), x16 =
-// round(x / s) to the nearest, ties to even (computed as x * (1 / s) in fp32; cpu_linear.sixteen_bit_x is the same).
-[[maybe_unused]] void x_on_sixteen_bits(const float* x, int64_t groups, int16_t* x16, float* steps) {
-  for (int64_t i = 0; i < groups; ++i) {
-    float largest = 0.f;
-    for (int k = 0; k < kGroup; ++k) largest = std::max(largest, std::fabs(x[i * kGroup + k]));
-    const float step = largest / 32767.f, inverse = step > 0.f ? 1.f / step : 0.f;
-    for (int k = 0; k < kGroup; ++k)
-      x16[i * kGroup + k] = static_cast<int16_t>(std::nearbyint(x[i * kGroup + k] * inverse));
-    steps[i] = step;
-  }
+// round(x / s) to the nearest, ties to even (x * (1 / s) in fp32, rounded by the default MXCSR mode;
+// cpu_linear.sixteen_bit_x is the same), and the group's sum of x (m's factor), two vector registers a group.
+void x_on_sixteen_bits(const float* x, int64_t groups, int16_t* x16, float* steps, float* sums) {
+  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t i = begin; i < end; ++i) {
+      const __m512 low = _mm512_loadu_ps(x + i * kGroup), high = _mm512_loadu_ps(x + i * kGroup + kLanes);
+      const float largest =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, low), _mm512_andnot_ps(sign, high)));
+      const float step = largest / 32767.f;
+      const __m512 inverse = _mm512_set1_ps(step > 0.f ? 1.f / step : 0.f);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + i * kGroup),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(low, inverse))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + i * kGroup + kLanes),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(high, inverse))));
+      steps[i] = step;
+      sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+    }
+  });
 }
+#endif
 
 void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kGroup == 0,
@@ -286,16 +299,11 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const at::Half* s = scales.data_ptr<at::Half>();
   float* y = out.data_ptr<float>();
   std::vector<float> x_sums(Bits == 4 ? rows * groups : 0);  // sum of x over each group of each row (m's factor)
-  for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
-    float sum = 0.f;
-    for (int k = 0; k < kGroup; ++k) sum += in[i * kGroup + k];
-    x_sums[i] = sum;
-  }
 #if defined(__AVX512VNNI__)
   if constexpr (Bits == 4) {
     std::vector<int16_t> x16(rows * columns);
     std::vector<float> x_steps(rows * groups);
-    x_on_sixteen_bits(in, rows * groups, x16.data(), x_steps.data());
+    x_on_sixteen_bits(in, rows * groups, x16.data(), x_steps.data(), x_sums.data());
     over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
       tile_product_x16<decltype(block)::value>(x16.data() + r * columns, &x_steps[r * groups], &x_sums[r * groups],
                                                columns, q + t * groups * Grid<4>::kBytes,
@@ -305,6 +313,11 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     return out;
   }
 #endif
+  for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
+    float sum = 0.f;
+    for (int k = 0; k < kGroup; ++k) sum += in[i * kGroup + k];
+    x_sums[i] = sum;
+  }
   over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
     tile_product<Bits, decltype(block)::value>(in + r * columns, x_sums.empty() ? nullptr : &x_sums[r * groups],
                                                columns, q + t * groups * Grid<Bits>::kBytes,
