@@ -77,6 +77,22 @@ def paged_kernel() -> Any:
     return build_kernel(KERNEL_SOURCE.read_bytes())
 
 
+def read_cpuinfo() -> str:
+    """This host's `/proc/cpuinfo`; empty where it is unreadable."""
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The flags of this host's first CPU (`/proc/cpuinfo`, or the text given); empty where it is unreadable."""
+    for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool = False) -> Any:
     """The extension compiled from the C++ source `text` of `source_file` (KERNEL_SOURCE's, another version of it to
     measure against: scripts/bench_attention.py, or policies/cpu_layers.cpp), or None when it cannot be built; with
@@ -90,7 +106,6 @@ def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool =
 
     from sgl_tts.env_names import cache_root
     from sgl_tts.paths import write_atomic
-    from sgl_tts.runtime.hardware import cpu_flags
 
     level = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3", "-fopenmp-simd"] + ([f"-march={MARCH[level]}"] if level in MARCH else [])

@@ -95,11 +95,10 @@ def test_kernels_use_vnni_where_the_cpu_has_it(tmp_path, monkeypatch, level, fla
     import torch.utils.cpp_extension as cpp_extension
 
     import policies.cpu_attention as cpu_attention
-    from sgl_tts.runtime import hardware
 
     monkeypatch.setenv("SGLTTS_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: level)
-    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: flags)
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda cpuinfo=None: flags)
     calls = []
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
     assert cpu_attention.build_kernel(b"// a kernel", tmp_path / "kernel.cpp") == "built"

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from policies.cpu_attention import cpu_flags, read_cpuinfo  # the kernels' builder reads the flags too
+
 GIB = 2**30
 THIS_MACHINE = "this-machine"
 
@@ -117,22 +119,6 @@ def plan_hardware(device: str, name: str | None, device_name: Callable[[], str |
 
 # The SIMD extensions that decide which CPU kernels are fast (bf16 and int8 dot products, AMX tiles).
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def read_cpuinfo() -> str:
-    """This host's `/proc/cpuinfo`; empty where it is unreadable."""
-    try:
-        return open("/proc/cpuinfo").read()
-    except OSError:
-        return ""
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The flags of this host's first CPU (`/proc/cpuinfo`, or the text given); empty where it is unreadable."""
-    for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def cpu_summary(cpuinfo: str | None = None) -> str:
