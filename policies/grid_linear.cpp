@@ -171,7 +171,7 @@ template <int R>
 void tile_product_x16(const int16_t* x16, const float* x_steps, const float* x_sums, int64_t columns,
                       const uint8_t* packed, const at::Half* scales, float* out, int64_t out_stride) {
   constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
-  constexpr int kBytes = Grid<4>::kBytes;
+  constexpr int kBytes = Grid<4>::kBytes, kScales = Grid<4>::kScales;
   const int64_t groups = columns / kGroup;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F);  // a dword's low 16 bits q[2p], its high 16 q[2p + 1]
   __m512 sums[R];
@@ -182,7 +182,7 @@ void tile_product_x16(const int16_t* x16, const float* x_steps, const float* x_s
       for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
     const uint8_t* bytes = packed + g * kBytes;
     prefetch(bytes + kAhead * kBytes, kBytes);
-    prefetch(scales + (g + kAhead) * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+    prefetch(scales + (g + kAhead) * kScales * kLanes, kScales * kLanes * sizeof(at::Half));
 #pragma GCC unroll 16
     for (int p = 0; p < kGroup / 2; ++p) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + p * kLanes)));
@@ -193,9 +193,8 @@ void tile_product_x16(const int16_t* x16, const float* x_steps, const float* x_s
         partial[r][p % kChains] = _mm512_dpwssd_epi32(partial[r][p % kChains], q, _mm512_set1_epi32(pair));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kLanes)));
-    const __m512 m =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kLanes + kLanes)));
+    const __m512 d = halves_to_floats(scales + g * kScales * kLanes);
+    const __m512 m = halves_to_floats(scales + g * kScales * kLanes + kLanes);
     for (int r = 0; r < R; ++r) {
       __m512i group = partial[r][0];
       for (int c = 1; c < kChains; ++c) group = _mm512_add_epi32(group, partial[r][c]);

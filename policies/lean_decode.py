@@ -240,16 +240,15 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
 
 
 def compiled_forward(step: Any, model: Any, input_ids: Any, positions: Any, forward_batch: Any,
-                     layer_captures: list[Any]) -> Any:
-    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`), which calls the layers' captures."""
+                     layer_captures: list[Any], req_to_token: Any) -> Any:
+    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`), which calls the layers' captures;
+    `req_to_token` is the attention backend's token table."""
     from policies.cpu_linear import told_grid_read
-    from sglang.srt.model_executor.forward_context import get_attn_backend
 
     told_grid_read(len(input_ids), projections(model.layers[0])[0])
     captured = [index for index, capture in enumerate(layer_captures) if capture is not None]
     return step.forward(model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc,
-                        get_attn_backend().req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                        forward_batch.seq_lens, captured,
+                        req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, captured,
                         lambda index, residual: layer_captures[index](residual, forward_batch))
 
 
@@ -278,10 +277,12 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
         if compiled and grids:
             from sglang.srt.model_executor.forward_context import get_attn_backend
 
-            step = compiled_step(model, get_attn_backend().token_to_kv_pool, bf16)
+            backend = get_attn_backend()
+            step = compiled_step(model, backend.token_to_kv_pool, bf16)
             if step is not None and len(input_ids) <= step[1]:
                 tell(f"lean decode took a compiled step ({len(model.layers)} layers)")
-                return compiled_forward(step[0], model, input_ids, positions, forward_batch, layer_captures)
+                return compiled_forward(step[0], model, input_ids, positions, forward_batch, layer_captures,
+                                        backend.req_to_token_pool.req_to_token)
         tell(f"lean decode took a step ({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 

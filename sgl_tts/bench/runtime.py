@@ -257,18 +257,14 @@ def measure_machine(repeats: int = 5) -> MachineCeiling:
 
 def grid_read_bytes(weights: Iterable[Any]) -> int:
     """The bytes a one-row decode step reads from `weights` (fp32 tensors: the ones a step reads, each once) as the
-    grid products read them (policies/cpu_linear.py): a weight on a 4-bit grid 4 bits a parameter and an fp16 d and m
-    per group, on an 8-bit grid 8 bits and an fp16 d per group, any other as stored (norms, weights on no grid)."""
-    from policies.cpu_linear import GRID_GROUP, eight_bit_grid, four_bit_grid
+    grid products read them (policies/cpu_linear.py): a weight on a 4- or 8-bit grid as its tiles (`grid_tiles`: q,
+    and fp16 d and m or d per group), any other as stored (norms, weights on no grid)."""
+    from policies.cpu_linear import grid_tiles
 
     total = 0
     for weight in weights:
-        if weight.dim() == 2 and four_bit_grid(weight) is not None:
-            total += weight.numel() // 2 + weight.numel() // GRID_GROUP * 2 * 2
-        elif weight.dim() == 2 and eight_bit_grid(weight) is not None:
-            total += weight.numel() + weight.numel() // GRID_GROUP * 2
-        else:
-            total += weight.numel() * weight.element_size()
+        tiles = grid_tiles(weight)
+        total += sum(part.numel() * part.element_size() for part in (tiles or (weight,)))
     return total
 
 
