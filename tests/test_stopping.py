@@ -1,7 +1,8 @@
-"""Stopping beneath every step program (sgl_tts/search/stopping.py): the trace-confidence and settled-answer
-rules as classes, applied by a setting to programs with no code of their own for it (beam_search, dvts,
+"""Stopping beneath every step program (sgl_tts/search/stopping.py): the trace-confidence, settled-answer and
+ranked-end rules as classes, applied by a setting to programs with no code of their own for it (beam_search, dvts,
 best_of_n), and programs/deepconf.py deciding with the same classes. Scripted backend."""
 
+import collections
 import dataclasses
 
 import pytest
@@ -10,7 +11,8 @@ from sgl_tts.problems import Problem
 from sgl_tts.search.api import Runtimes, SearchConfig
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
 from sgl_tts.search.programs import load_program
-from sgl_tts.search.stopping import SettledAnswerRule, Stopping, TraceConfidenceRule
+from sgl_tts.search.selection import select
+from sgl_tts.search.stopping import RankedEndRule, SettledAnswerRule, Stopping, TraceConfidenceRule
 from sgl_tts.frontend.sglang_internals import end_program_states, search_of
 from sgl_tts.testing import ScriptedBackend, ScriptedModel, ScriptedScorer
 
@@ -74,6 +76,56 @@ def test_a_program_with_no_code_for_it_stops_once_its_answer_settles(program):
         assert plain_scorer.calls and not scorer.calls
     else:
         assert len(backend.requests) < len(plain_backend.requests)
+
+
+def test_the_ranked_rule_stops_once_the_best_ranked_paths_have_all_ended_as_brute_force_says():
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        keys = [(rng.choice([-0.9, -0.5, -0.2]), rng.choice("abcd")) for _ in range(rng.randint(0, 7))]
+        ended_flags = [rng.random() < 0.5 for _ in keys]
+        ended = [k for k, e in zip(keys, ended_flags) if e]
+        live = [k for k, e in zip(keys, ended_flags) if not e]
+        for top in (1, 2, 3):
+            # brute force: some live path is left, and no live path ranks among the best `top` of all
+            # (an ended path ranks ahead of a live one with the same key)
+            best = sorted(itertools.chain(((k, 0) for k in ended), ((k, 1) for k in live)))[:top]
+            expected = bool(ended) and bool(live) and all(flag == 0 for _, flag in best)
+            assert RankedEndRule(top).ended(ended, live) == expected
+    assert not RankedEndRule(1).ended([(-0.9, "a")], []), "with no live path the search ends by itself"
+    assert RankedEndRule(2).ended([(-0.9, "a"), (-0.8, "b")], [(-0.7, "c")])
+    assert not RankedEndRule(2).ended([(-0.9, "a")], [(-0.8, "b"), (-0.1, "c")])
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts"])
+@pytest.mark.parametrize("top", [1, 2])
+def test_a_program_with_no_code_for_it_stops_when_its_best_ranked_paths_have_ended(program, top, monkeypatch):
+    base = SearchConfig(program=program, n=8, beam_width=2, max_steps=8, max_tokens=10_000)
+    plain, plain_backend, _, _ = run(program, base)
+    decisions = []
+    decide = RankedEndRule.ended
+
+    def recorded(rule, ended, live):
+        decision = decide(rule, ended, live)
+        decisions.append((sorted(ended), sorted(live), decision))
+        return decision
+
+    monkeypatch.setattr(RankedEndRule, "ended", recorded)
+    ranked, backend, _, context = run(program, dataclasses.replace(base, stopping=Stopping(rule="ranked", top=top)))
+    assert plain.finish_reason == "complete" and ranked.finish_reason == "ranked"
+    assert [decision for _, _, decision in decisions] == [False] * (len(decisions) - 1) + [True], \
+        "asked after every scoring round until it held"
+    ended_keys, live_keys, _ = decisions[-1]
+    assert all(key < min(live_keys) for key in sorted(ended_keys)[:top])
+    assert len(backend.requests) < len(plain_backend.requests), "the steps after the stop are not sent"
+    sent = collections.Counter((r["text"], r["variant"]) for r in backend.requests)
+    assert not sent - collections.Counter((r["text"], r["variant"]) for r in plain_backend.requests), \
+        "the same search up to the stop"
+    ended = [c for c in ranked.candidates if c.finish_reason != "unfinished"]
+    assert ranked.answer == select(base.selection, [c.answer for c in ended], [c.score for c in ended])
+    assert context.in_flight() == []
 
 
 def test_the_settled_rule_does_not_stop_a_search_whose_answers_never_reach_its_count():

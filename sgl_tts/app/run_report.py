@@ -13,7 +13,7 @@ from sgl_tts.search.records import COMPLETE, SearchResult
 COLUMNS = (Column("problem", 14, "<"), Column("gold", 8), Column("answer", 12), Column("ok", 3), Column("tokens", 7),
            Column("time s", 7), Column("goodput", 8), Column("cached", 7), Column("end", 0, "<", gap=2))  # the last: as wide as its cell
 # the `end` column: blank for a search that ran to its end, else why it stopped early and answered
-STOPPED_EARLY = {"deadline": "deadline", "token_budget": "token budget", "settled": "settled"}
+STOPPED_EARLY = {"deadline": "deadline", "token_budget": "token budget", "settled": "settled", "ranked": "ranked"}
 
 
 def _short(text: str | None, width: int = 12) -> str:

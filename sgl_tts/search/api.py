@@ -23,7 +23,7 @@ from sgl_tts.search.confidence import token_confidence
 from sgl_tts.search.context import SearchContext, SearchStopped
 from sgl_tts.search.grading import answer_at_end, extract_answer, normalize_answer
 from sgl_tts.search.records import COMPLETE, Candidate, SearchResult
-from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, Stopping
+from sgl_tts.search.stopping import LOW_CONFIDENCE, RANKED, SETTLED, Stopping
 
 Selection = Literal["best", "weighted", "majority"]
 
@@ -461,7 +461,8 @@ def stopped_result(problem_id: str, program: str, config: SearchConfig, tracker:
                    finished: Sequence[ReasoningPath] = ()) -> SearchResult:
     """The answer of a search that stopped early for `reason` (SearchStopped), from the paths it has seen: the
     ones that ended (`finished`, the context's) and the live ones `expand` last held. A settled search answers
-    with the settled vote (majority of the ended paths' answers); a budget's stop with the best ended path
+    with the settled vote (majority of the ended paths' answers); a ranked stop (its best-ranked paths ended) by
+    the search's selection over the ended paths; a budget's stop with the best ended path
     (`rank_key`), else the best live one and the last number it wrote (`answer_at_end`). The candidates are all
     these paths, the live ones "unfinished"; `finish_reason` is `reason`."""
     from sgl_tts.search.selection import select
@@ -473,6 +474,9 @@ def stopped_result(problem_id: str, program: str, config: SearchConfig, tracker:
     if reason == SETTLED:  # the vote that settled: the ended paths' answers, and the live ones' with `reads: live`
         vote = tracker.settled_vote or [p.answer for p in ended]
         answer = select("majority", vote, [1.0] * len(vote))
+    elif reason == RANKED:
+        answer = select(config.selection, [p.answer for p in ended], [aggregate(p.step_scores, config.aggregation)
+                                                                     for p in ended])
     elif ended:
         answer = ended[0].answer
     else:

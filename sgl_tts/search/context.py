@@ -16,7 +16,8 @@ A context made while another search is bound in its thread (a program that makes
 its caller bound, `sgl_tts.search.programs.load_program`) runs inside that search, its `outer`: the two share one
 ledger, and every request the inner one sends is in flight, observed and cancelled in the outer one as well.
 
-A search stops early when its budget is spent (`search.budget`) or its answer has settled (`search.stopping`):
+A search stops early when its budget is spent (`search.budget`), its answer has settled or its best-ranked paths
+have ended (`search.stopping`):
 from then on every request is refused with `SearchStopped`, the requests in flight are aborted (`on_stop`,
 given by `Runtimes.new_search`), and the program's runner turns the refusal into the search's answer from the
 paths it has seen (`sgl_tts.search.api.stopped_result`): no program has code of its own for it.
@@ -36,7 +37,8 @@ from sgl_tts.frontend.sglang_internals import running_search, searching
 from sgl_tts.scoring.base import ScoredPaths, StepScorer, rank_key, scoring_run
 from sgl_tts.search.budget import Budget, Narrowing
 from sgl_tts.search.grading import normalize_answer
-from sgl_tts.search.stopping import LOW_CONFIDENCE, SETTLED, SettledAnswerRule, Stopping, TraceConfidenceRule
+from sgl_tts.search.stopping import (LOW_CONFIDENCE, RANKED, SETTLED, RankedEndRule, SettledAnswerRule, Stopping,
+                                     TraceConfidenceRule)
 from sgl_tts.search.tree import SearchTree
 
 
@@ -50,8 +52,8 @@ class SearchCancelled(RuntimeError):
 
 
 class SearchStopped(RuntimeError):
-    """The search stopped early (`reason`: "deadline", "token_budget", "settled"); raised by its next request
-    and caught by the program's runner, which answers with the paths seen so far. Never reaches the user."""
+    """The search stopped early (`reason`: "deadline", "token_budget", "settled", "ranked"); raised by its next
+    request and caught by the program's runner, which answers with the paths seen so far. Never reaches the user."""
 
     def __init__(self, reason: str):
         super().__init__(f"the search stopped: {reason}")
@@ -100,6 +102,7 @@ class SearchContext:
                                                     self.stopping.warmup) if self.stopping.confidence else None)
         self.settled_rule = (SettledAnswerRule(self.stopping.consensus, self.stopping.min_answers)
                              if self.stopping.settled else None)
+        self.ranked_rule = RankedEndRule(self.stopping.top) if self.stopping.ranked else None
         self.finished_paths: list[Any] = []  # every path that ended (`sgl_tts.search.api.finish`)
         self.frontier: list[Any] = []  # the live paths `expand` last held (its parents while it runs)
         self._answers: list[str] = []  # the answers of the ended paths, for the settled rule
@@ -397,7 +400,20 @@ class SearchContext:
             path.step_scores = list(path_scores)
             self.tree.add(path.steps, path.step_scores, path.extra.get("head_start_tokens", 0))
         self.scored(scored.scores)
+        if self.ranked_rule is not None:
+            self._rank_ends(paths)
         return scored
+
+    def _rank_ends(self, scored: Sequence[Any]) -> None:
+        """The ranked rule, after a scoring round: stop (ranked) once the best-ranked scored paths have ended. The
+        ended ones are every scored path that ended (a path the confidence rule stopped is not), the live ones
+        those of this round and of `expand`'s last children."""
+        aggregation = getattr(self.config, "aggregation", "last")
+        with self._changed:
+            ended = [p for p in self.finished_paths if p.step_scores and p.finish_reason != LOW_CONFIDENCE]
+        live = {id(p): p for p in [*scored, *self.frontier] if p.active and p.step_scores}.values()
+        if self.ranked_rule.ended([rank_key(p, aggregation) for p in ended], [rank_key(p, aggregation) for p in live]):
+            self.stop(RANKED)
 
     def timeline(self) -> dict[str, Any]:
         """What the search's runtimes did for it, in seconds from its start (`sgl_tts.app.timeline` draws it):

@@ -51,7 +51,7 @@ class SearchResult:
     verifier_calls: int = 0
     error: str | None = None  # set when the search stopped early; finished candidates are kept
     # how the search ended: "complete"; "deadline" or "token_budget" (its budget, sgl_tts.search.budget) or
-    # "settled" (the settled-answer rule, sgl_tts.search.stopping) when it stopped early and answered
+    # "settled" or "ranked" (the stopping rules, sgl_tts.search.stopping) when it stopped early and answered
     finish_reason: str = COMPLETE
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 """Stopping rules beneath every step program (`search.stopping`), and the small rule classes they are made of.
 
-Two rules, each a small class of numbers and answers (no paths, no requests), used by the search context and
+Three rules, each a small class of numbers and answers (no paths, no requests), used by the search context and
 `expand` (sgl_tts/search/context.py, sgl_tts/search/api.py) for any program, and by programs/deepconf.py:
 
 - `TraceConfidenceRule` (DeepConf, Fu et al. 2025): a path's confidence is its lowest sliding-window group
@@ -11,6 +11,11 @@ Two rules, each a small class of numbers and answers (no paths, no requests), us
 - `SettledAnswerRule` (certaindex / Dynasor-style early exit): once at least `min_answers` paths have ended with
   an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each), the search stops
   sending and answers with that answer (`SearchResult.finish_reason` "settled").
+- `RankedEndRule` (the classic ending of a beam search, and its-hub's `BeamSearch`): after each scoring round the
+  search ranks every path it has scored, ended and live, by its aggregated score (`rank_key`); once the `top` best
+  have all ended and a live path is left, the search stops and answers by its selection over the ended paths
+  (`finish_reason` "ranked"). A live path ranked below them could still overtake them with later steps; the rule
+  bets it will not, and saves those steps.
 
 With `reads: ended` (the default) both rules hear a path only when it ends, and a program that sends its paths at
 once (best-of-N's n samples, the children of one expansion) has spent nearly all its tokens by then. With
@@ -32,27 +37,29 @@ Adaptive-Consistency and DeepConf's online mode do within one program; here the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from sgl_tts.config import FieldValueError
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
 
-RULES = ("none", "confidence", "settled", "both")
+RULES = ("none", "confidence", "settled", "both", "ranked")
 READS = ("ended", "live")
-LOW_CONFIDENCE, SETTLED = "low_confidence", "settled"  # a path's finish reason, a search's finish reason
+LOW_CONFIDENCE = "low_confidence"  # a path's finish reason
+SETTLED, RANKED = "settled", "ranked"  # a search's finish reasons (stopped by a rule)
 
 
 @dataclass(frozen=True)
 class Stopping:
     """`search.stopping`: which rules stop paths and the search, and their thresholds."""
 
-    rule: Literal["none", "confidence", "settled", "both"] = "none"
+    rule: Literal["none", "confidence", "settled", "both", "ranked"] = "none"
     top_k: int = 5  # confidence: logprobs per token in the token confidence
     window: int = 32  # confidence: tokens per group
     keep_fraction: float = 0.9  # confidence: η, the share of warm-up paths above the threshold
     warmup: int = 4  # confidence: ended paths that set the threshold
     consensus: float = 0.6  # settled: the leading answer's share of the answers
     min_answers: int = 2  # settled: answers before the vote may settle
+    top: int = 1  # ranked: the best-ranked paths that must all have ended
     stage: int = 0  # generator requests of the search in flight at once, the rest sent as they end (0: no limit)
     reads: Literal["ended", "live"] = "ended"  # what the rules hear: ended paths, or every live path after each step
     answer_cue: str = "The answer is $\\boxed{"  # live: what a probe appends to a path (the system prompt's ending)
@@ -66,7 +73,7 @@ class Stopping:
             raise FieldValueError("reads", f"stopping.reads must be one of {', '.join(READS)}, got {self.reads!r}")
         if not self.answer_cue.strip():
             raise FieldValueError("answer_cue", "stopping.answer_cue must not be empty")
-        for name in ("top_k", "window", "warmup", "min_answers", "probe_tokens", "steady"):
+        for name in ("top_k", "window", "warmup", "min_answers", "top", "probe_tokens", "steady"):
             if getattr(self, name) < 1:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
         if self.stage < 0:
@@ -82,6 +89,10 @@ class Stopping:
     @property
     def settled(self) -> bool:
         return self.rule in ("settled", "both")
+
+    @property
+    def ranked(self) -> bool:
+        return self.rule == "ranked"
 
     @property
     def probes(self) -> bool:
@@ -140,3 +151,17 @@ class SettledAnswerRule:
         if remaining > 0 and cast < self.min_answers:
             return False
         return vote_settled(answers, weights, remaining_traces=remaining, consensus=self.consensus)
+
+
+@dataclass(frozen=True)
+class RankedEndRule:
+    """The `top` best-ranked paths have all ended, and a live path is left (with none left the search ends by
+    itself). `ended` and `live` are the paths' rank keys (smaller ranks better; `rank_key`)."""
+
+    top: int = 1
+
+    def ended(self, ended: Sequence[Any], live: Sequence[Any]) -> bool:
+        if not ended or not live:
+            return False
+        best = sorted([(key, False) for key in ended] + [(key, True) for key in live])[: self.top]
+        return not any(is_live for _, is_live in best)

@@ -15,9 +15,9 @@ operator's limit (`limits.deadline_s`, `limits.search_tokens`); `stopping` the s
 Reply: the message is the selected solution; the choice's `finish_reason` is "stop", "length" (the selected
 path hit its `max_tokens`, or the search its token budget) or "deadline" (the search's deadline stopped it and
 it answered with what it had; not one of OpenAI's values); `sgl_tts.finish_reason` is the search's own
-(`SearchResult.finish_reason`: complete, deadline, token_budget, settled); `usage` counts the whole search (every path's generated
-tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field carries the candidates
-with their step scores, and the timings.
+(`SearchResult.finish_reason`: complete, deadline, token_budget, settled, ranked); `usage` counts the whole search
+(every path's generated tokens, the prompt tokens sent, and of those the cached ones); the `sgl_tts` field
+carries the candidates with their step scores, and the timings.
 """
 
 from __future__ import annotations
