@@ -277,26 +277,12 @@ void check_input(const torch::Tensor& x, const torch::Tensor& packed, const torc
 
 }  // namespace
 
-// x [M, K] fp32 contiguous times the Bits-bit weight [N, K] transposed: y [M, N] fp32.
+// y [rows, tiles * 16] = x [rows, columns] times the Bits-bit weight's tiles q, s (cpu_linear.grid_tiles), transposed;
+// x and y contiguous, the shapes checked by the caller (grid_linear; policies/decode_step.cpp when a layer is added).
 template <int Bits>
-torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
-  using Byte = typename Grid<Bits>::Byte;
-  check_input(x, packed, scales);
-  if constexpr (Bits == 4) {
-    TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == x.size(1) && scales.dim() == 4 &&
-                    scales.size(2) == 2,
-                "a 4-bit weight: packed uint8 [N / 16, K / 2, 16], scales [N / 16, K / 32, 2, 16]");
-  } else {
-    TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.size(1) == x.size(1) && scales.dim() == 3,
-                "an 8-bit weight: packed int8 [N / 16, K, 16], scales [N / 16, K / 32, 16]");
-  }
-  const int64_t rows = x.size(0), columns = x.size(1), tiles = packed.size(0), out_stride = tiles * kLanes;
-  const int64_t groups = columns / kGroup;
-  auto out = torch::empty({rows, out_stride}, x.options());
-  const float* in = x.data_ptr<float>();
-  const Byte* q = packed.data_ptr<Byte>();
-  const at::Half* s = scales.data_ptr<at::Half>();
-  float* y = out.data_ptr<float>();
+void grid_product(const float* in, int64_t rows, int64_t columns, const typename Grid<Bits>::Byte* q,
+                  const at::Half* s, int64_t tiles, float* y) {
+  const int64_t groups = columns / kGroup, out_stride = tiles * kLanes;
   std::vector<float> x_sums(Bits == 4 ? rows * groups : 0);  // sum of x over each group of each row (m's factor)
 #if defined(__AVX512VNNI__)
   if constexpr (Bits == 4) {
@@ -309,7 +295,7 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                                                s + t * groups * Grid<4>::kScales * kLanes,
                                                y + r * out_stride + t * kLanes, out_stride);
     });
-    return out;
+    return;
   }
 #endif
   for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
@@ -323,6 +309,30 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                                                s + t * groups * Grid<Bits>::kScales * kLanes,
                                                y + r * out_stride + t * kLanes, out_stride);
   });
+}
+
+// The checks of a Bits-bit weight's tiles against x's columns.
+template <int Bits>
+void check_grid(const torch::Tensor& packed, const torch::Tensor& scales, int64_t columns) {
+  if constexpr (Bits == 4) {
+    TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == columns && scales.dim() == 4 &&
+                    scales.size(2) == 2,
+                "a 4-bit weight: packed uint8 [N / 16, K / 2, 16], scales [N / 16, K / 32, 2, 16]");
+  } else {
+    TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.size(1) == columns && scales.dim() == 3,
+                "an 8-bit weight: packed int8 [N / 16, K, 16], scales [N / 16, K / 32, 16]");
+  }
+}
+
+// x [M, K] fp32 contiguous times the Bits-bit weight [N, K] transposed: y [M, N] fp32.
+template <int Bits>
+torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  check_input(x, packed, scales);
+  check_grid<Bits>(packed, scales, x.size(1));
+  const int64_t rows = x.size(0), tiles = packed.size(0);
+  auto out = torch::empty({rows, tiles * kLanes}, x.options());
+  grid_product<Bits>(x.data_ptr<float>(), rows, x.size(1), packed.data_ptr<typename Grid<Bits>::Byte>(),
+                     scales.data_ptr<at::Half>(), tiles, out.data_ptr<float>());
   return out;
 }
 

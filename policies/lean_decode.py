@@ -169,7 +169,8 @@ def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
         step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                        [packed for packed, _ in tiles], [scales for _, scales in tiles],
-                       [linear.bias for linear in linears], rotary.cos_sin_cache, rotary.head_size,
+                       [linear.bias for linear in linears], [linear.weight for linear in linears],
+                       rotary.cos_sin_cache, rotary.head_size,
                        bool(rotary.is_neox_style), pool.get_key_buffer(attn.layer_id),
                        pool.get_value_buffer(attn.layer_id), attn.tp_q_head_num, attn.tp_k_head_num,
                        attn.qk_head_dim, float(attn.scaling))
@@ -177,12 +178,11 @@ def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
 
 
 def compiled_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
-    """`build_step(model, pool, bf16)`, built once and again after a weight or the pool's buffers changed."""
-    weights = [linear.weight for layer in model.layers for linear in projections(layer)]
-    identity = (id(pool), pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id).data_ptr(), bf16,
-                [(weight.data_ptr(), weight._version) for weight in weights])
+    """`build_step(model, pool, bf16)`, built once and again after the pool's buffers or a projection's weight changed
+    (the step checks its weights' storage and version itself: `DecodeStep.current`)."""
+    identity = (id(pool), pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id).data_ptr(), bf16)
     cached = getattr(model, _STEP, None)
-    if cached is None or cached[0] != identity:
+    if cached is None or cached[0] != identity or (cached[1] is not None and not cached[1][0].current()):
         cached = (identity, build_step(model, pool, bf16))
         setattr(model, _STEP, cached)
     return cached[1]

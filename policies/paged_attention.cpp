@@ -232,6 +232,25 @@ void attend_items(const float* q, float* out, const T* keys, const T* values, co
   });
 }
 
+// attend_items over the caches as they are stored (float32 or bfloat16; checked by the caller).
+void attend_cached(const float* q, float* out, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const int32_t* table, int64_t table_row, const int64_t* pool_of,
+                   const std::vector<int64_t>& sequence_of, const std::vector<int64_t>& position_of, int64_t rows,
+                   int64_t group, int64_t head_dim, int64_t q_r, int64_t q_h, int64_t o_r, int64_t o_h, float scale) {
+  const int64_t kv_heads = k_cache.size(1);
+  const int64_t k_s = k_cache.stride(0), k_h = k_cache.stride(1), v_s = v_cache.stride(0), v_h = v_cache.stride(1);
+  if (k_cache.scalar_type() == torch::kFloat) {
+    attend_items(q, out, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, pool_of, sequence_of,
+                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
+                 scale);
+  } else {
+    attend_items(q, out, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, pool_of, sequence_of,
+                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
+                 scale);
+  }
+}
+
 }  // namespace
 
 void paged_attention(const torch::Tensor& query, torch::Tensor& output, const torch::Tensor& k_cache,
@@ -272,23 +291,9 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
   }
   TORCH_CHECK(row == rows, "the extend lengths must add up to the query rows");
 
-  const float* q = query.data_ptr<float>();
-  float* out = output.data_ptr<float>();
-  const int32_t* table = req_to_token.data_ptr<int32_t>();
-  const int64_t q_r = query.stride(0), q_h = query.stride(1), o_r = output.stride(0), o_h = output.stride(1);
-  const int64_t k_s = k_cache.stride(0), k_h = k_cache.stride(1), v_s = v_cache.stride(0), v_h = v_cache.stride(1);
-  const int64_t table_row = req_to_token.stride(0);
-  const float fscale = static_cast<float>(scale);
-  if (k_cache.scalar_type() == torch::kFloat) {
-    attend_items(q, out, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, pool_of, sequence_of,
-                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
-                 fscale);
-  } else {
-    attend_items(q, out, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                 reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, pool_of, sequence_of,
-                 position_of, rows, kv_heads, group, head_dim, q_r, q_h, o_r, o_h, k_s, k_h, v_s, v_h, table_row,
-                 fscale);
-  }
+  attend_cached(query.data_ptr<float>(), output.data_ptr<float>(), k_cache, v_cache, req_to_token.data_ptr<int32_t>(),
+                req_to_token.stride(0), pool_of, sequence_of, position_of, rows, group, head_dim, query.stride(0),
+                query.stride(1), output.stride(0), output.stride(1), static_cast<float>(scale));
 }
 
 #ifndef SGLTTS_ONE_UNIT  // policies/decode_step.cpp is compiled after this file, with a module of its own

@@ -131,3 +131,32 @@ def test_a_model_that_is_not_a_plain_llama_is_named_and_left_to_sglang():
     assert calls == ["lean decode not taken: a SimpleNamespace, not a LlamaModel"]
     hook(lambda *args: "sglang", model, torch.tensor([1]), torch.tensor([0]), batch)
     assert len(calls) == 1, "said once per process"
+
+
+def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
+    """`DecodeStep.current`: the step keeps each projection's weight (storage and version) and says when one was
+    replaced or changed in place, so that `compiled_step` builds it again from the new grids."""
+    from policies import cpu_linear
+
+    kernel = lean_decode.step_kernel()
+    if kernel is None:
+        pytest.skip("no compiler for the compiled step")
+    hidden, head_dim, q_heads, kv_heads, mlp = 64, 32, 2, 1, 64
+    shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * mlp, hidden),
+              (hidden, mlp)]
+    weights = [cpu_linear.q4_1_round(torch.randn(rows, columns) * 0.05) for rows, columns in shapes]
+    tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
+    step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
+    step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles], [s for _, s in tiles],
+                   [None] * 4, weights, torch.zeros(16, head_dim), head_dim, True,
+                   torch.zeros(8, kv_heads, head_dim), torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads,
+                   head_dim, head_dim ** -0.5)
+    assert step.current()
+    weights[2].mul_(1.0)  # changed in place: a new version
+    assert not step.current()
+    short = cpu_linear.grid_tiles(cpu_linear.q4_1_round(torch.randn(q_heads * head_dim, hidden)))  # no k, v rows
+    with pytest.raises(RuntimeError, match="qkv"):  # the shapes are checked when a layer is added
+        step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [short[0]] + [p for p, _ in tiles[1:]],
+                       [short[1]] + [s for _, s in tiles[1:]], [None] * 4, weights, torch.zeros(16, head_dim),
+                       head_dim, True, torch.zeros(8, kv_heads, head_dim), torch.zeros(8, kv_heads, head_dim),
+                       q_heads, kv_heads, head_dim, head_dim ** -0.5)
