@@ -69,16 +69,18 @@ at most GRID_ROWS rows read the grids, larger ones the packed copy (`scripts/ben
 `docs/runtime-speed.md`). On a CPU without AMX, `packed-int4` does the same beside the packed fp32 copy. Weights on
 neither grid (any fp32 model) keep the packed copy; so does every weight when the kernel could not be built.
 
-Where the CPU has AVX-512 VNNI, a 4-bit product takes x on a 16-bit grid of its own (`sixteen_bit_x`):
+Where the CPU has AVX-512 VNNI, a product takes x on a 16-bit grid of its own (`sixteen_bit_x`):
 
     per row and group:  s = max |x| / 32767,  x16 = round(x / s)                    |x - s x16| <= s/2
     y[r, n] = sum_g ( d[n, g] s[r, g] sum_{k in g} q[n, k] x16[r, k]  +  m[n, g] sum_{k in g} x[r, k] )
 
-the sums of q x16 in int32 (exact), 32 products an instruction (vpdpwssd), half the fp32 path's multiply-adds a row
-on a weight unpacked in fewer instructions. x moves by at most 1.5e-5 of its group's largest |x| (bf16 moves each
-x by up to 2^-9 of itself). The layers at 1 / 4 / 8 / 16 / 32 rows: 4.27 / 4.91 / 6.65 / 11.8 / 21.2 ms, against
-bf16's 16.5 / 16.8 / 17.8 / 18.9 / 22.7 (the same Xeon, 2 threads), so there a 4-bit product reads its grid up to
-GRID_ROWS_X16 rows.
+(no m term on the 8-bit grid), the sums of q x16 in int32, 32 products an instruction (vpdpwssd), half the fp32
+path's multiply-adds a row on a weight unpacked in fewer instructions. x moves by at most 1.5e-5 of its group's
+largest |x| (bf16 moves each x by up to 2^-9 of itself). The layers from 4 bits at 1 / 4 / 8 / 16 / 32 rows: 4.27 /
+4.91 / 6.65 / 11.8 / 21.2 ms, against bf16's 16.5 / 16.8 / 17.8 / 18.9 / 22.7; the head from 8 bits at 1 / 8 / 16 /
+32 / 48 rows: 0.57 / 1.03 / 2.02 / 4.61 / 7.17 ms, against fp32 x's 0.84 / 2.00 / 3.98 / 8.69 / 13.6, bf16's 2.06 /
+2.02 / 3.18 / 5.17 / 5.50 and fp32's 12.6 at 48, 15.3 at 64 (x16: 11.0) rows (the same Xeon, 2 threads). So there a
+product reads its grid up to GRID_ROWS_X16 rows, at either bits.
 
 The plugin (`policies/plugin.py`) installs the hooks (`hooks_for`) with $SGLTTS_CPU_LINEAR=packed, packed-bf16,
 packed-bf16-int4 or packed-int4 (`sgl_tts/runtime/server.py` sets one on every CPU runtime; packed-dense packs every
@@ -106,10 +108,10 @@ FOUR_BIT = (PACKED_BF16_INT4, PACKED_INT4)  # the values that read weights from 
 GRID_GROUP = 32  # weights along K that share a scale (and a zero): GGUF's Q4_1 and Q8_0 block
 INT4_LEVELS = 15  # q in 0..15
 INT8_LEVELS = 127  # q in -127..127
-X16_LEVELS = 32767  # x16 in -32767..32767: x of a 4-bit product on a CPU with VNNI (`sixteen_bit_x`)
+X16_LEVELS = 32767  # x16 in -32767..32767: x of a grid product on a CPU with VNNI (`sixteen_bit_x`)
 TILE = 16  # outputs per tile of a grid weight (the kernel's vector lanes)
 # The most rows a product reads a weight's grid at, by its bits, beside a packed bf16 copy (AMX) or an fp32 one:
-# below the measured crossovers (module docstring); a 4-bit product whose x the kernel puts on its 16-bit grid (VNNI)
+# below the measured crossovers (module docstring); a product whose x the kernel puts on its 16-bit grid (VNNI)
 # costs half the multiply-adds a row, and reads its grid up to GRID_ROWS_X16 rows (`most_grid_rows`).
 GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 32, 8: 24}}
 GRID_ROWS_X16 = {True: 32, False: 64}
@@ -267,7 +269,7 @@ def grid_weight(module: Any) -> tuple[Any, Any] | None:
 def most_grid_rows(bf16: bool, bits: int) -> int:
     """The most rows at which a product reads a `bits`-bit weight from its grid (beside a bf16 copy with `bf16`)."""
     kernels = grid_kernels()
-    if bits == 4 and kernels is not None and kernels.four_bit_x_bits == 16:
+    if kernels is not None and kernels.x_bits == 16:
         return GRID_ROWS_X16[bf16]
     return GRID_ROWS[bf16][bits]
 
@@ -278,8 +280,8 @@ def grid_bits(tiles: tuple[Any, Any]) -> int:
 
 
 def sixteen_bit_x(x: Any) -> tuple[Any, Any]:
-    """(x16 [..., K], s [..., K / GRID_GROUP]): x [..., K] on the 16-bit grid a 4-bit product takes it on where the
-    kernel has VNNI (`grid_kernels().four_bit_x_bits == 16`): per group of GRID_GROUP, s = max |x| / 32767 and x16 =
+    """(x16 [..., K], s [..., K / GRID_GROUP]): x [..., K] on the 16-bit grid a grid product takes it on where the
+    kernel has VNNI (`grid_kernels().x_bits == 16`): per group of GRID_GROUP, s = max |x| / 32767 and x16 =
     round(x / s), as the kernel computes them (in fp32, x times 1 / s, ties to even); x16 as floats."""
     import torch
 

@@ -11,12 +11,13 @@
 //            scales  fp16  [N / 16, K / 32, 16]:    [t, g, l] = d of output 16t + l's group g
 // The loops are written on GCC vector types of 16 lanes: one AVX-512 register, or two AVX2 ones.
 //
-// Where the CPU has AVX-512 VNNI (built with -mavx512vnni: policies/cpu_attention.py), a 4-bit product takes x on
-// a 16-bit grid instead: per row and group of 32, s = max |x| / 32767 and x16 = round(x / s), and a tile's q pairs
-// (the two nibbles of a byte) are multiplied with pairs of x16 by vpdpwssd, 32 products an instruction summed in
-// int32 (exactly: 15 * 32767 * 32 < 2^24, so the sum is exact in fp32 too), then scaled by d s. So x is rounded to
-// within s / 2 (a relative 1.5e-5 of the group's largest |x|; bf16 rounds each x to 2^-9 of itself), and the
-// multiply-adds per row are half the fp32 path's, on a weight unpacked in 3 instructions per 32 (not 5).
+// Where the CPU has AVX-512 VNNI (built with -mavx512vnni: policies/cpu_attention.py), a product takes x on a 16-bit
+// grid instead: per row and group of 32, s = max |x| / 32767 and x16 = round(x / s), and a tile's q pairs (the two
+// nibbles of a byte; at 8 bits the q of two neighbouring k) are multiplied with pairs of x16 by vpdpwssd, 32
+// products an instruction summed in int32 (at 4 bits exactly: 15 * 32767 * 32 < 2^24, so the sum is exact in fp32
+// too), then scaled by d s. So x is rounded to within s / 2 (a relative 1.5e-5 of the group's largest |x|; bf16
+// rounds each x to 2^-9 of itself), and the multiply-adds per row are half the fp32 path's, on a weight unpacked in
+// 3 instructions per 32 at 4 bits (not 5), 2 at 8 (not 4).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -205,6 +206,49 @@ void tile_product_x16(const int16_t* x16, const float* x_steps, const float* x_s
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, sums[r]);
 }
+
+// The same for one tile of an 8-bit weight: the q of k = 2p and 2p + 1 (two rows of 16 bytes) sign-extended to 16
+// bits and interleaved, lane l's pair in its dword (2 instructions per 32 q, against 4 conversions to fp32), times
+// pairs of x16; d s times the int32 sums (|sum| <= 127 * 32767 * 32 < 2^31; as fp32 within 2^-24 of itself).
+template <int R>
+void tile_product8_x16(const int16_t* x16, const float* x_steps, int64_t columns, const int8_t* packed,
+                       const at::Half* scales, float* out, int64_t out_stride) {
+  constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
+  constexpr int kBytes = Grid<8>::kBytes, kScales = Grid<8>::kScales;
+  const int64_t groups = columns / kGroup;
+  // 16-bit element 2l of a pair of rows from element l of the first (q[2p, l]), 2l + 1 from l of the second
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i partial[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+    const int8_t* bytes = packed + g * kBytes;
+    prefetch(bytes + kAhead * kBytes, kBytes);
+    prefetch(scales + (g + kAhead) * kScales * kLanes, kScales * kLanes * sizeof(at::Half));
+#pragma GCC unroll 16
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const __m512i rows = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 2 * p *
+                                                                                                      kLanes)));
+      const __m512i q = _mm512_permutexvar_epi16(interleave, rows);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;  // x16[r, 2p] and x16[r, 2p + 1]
+        std::memcpy(&pair, x16 + r * columns + g * kGroup + 2 * p, sizeof(pair));
+        partial[r][p % kChains] = _mm512_dpwssd_epi32(partial[r][p % kChains], q, _mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 d = halves_to_floats(scales + g * kScales * kLanes);
+    for (int r = 0; r < R; ++r) {
+      __m512i group = partial[r][0];
+      for (int c = 1; c < kChains; ++c) group = _mm512_add_epi32(group, partial[r][c]);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x_steps[r * groups + g]));
+      sums[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(group), sums[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, sums[r]);
+}
 #else
 constexpr bool kSixteenBitX = false;
 #endif
@@ -285,18 +329,23 @@ void grid_product(const float* in, int64_t rows, int64_t columns, const typename
   const int64_t groups = columns / kGroup, out_stride = tiles * kLanes;
   std::vector<float> x_sums(Bits == 4 ? rows * groups : 0);  // sum of x over each group of each row (m's factor)
 #if defined(__AVX512VNNI__)
-  if constexpr (Bits == 4) {
-    std::vector<int16_t> x16(rows * columns);
-    std::vector<float> x_steps(rows * groups);
-    x_on_sixteen_bits(in, rows * groups, x16.data(), x_steps.data(), x_sums.data());
-    over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
-      tile_product_x16<decltype(block)::value>(x16.data() + r * columns, &x_steps[r * groups], &x_sums[r * groups],
-                                               columns, q + t * groups * Grid<4>::kBytes,
-                                               s + t * groups * Grid<4>::kScales * kLanes,
-                                               y + r * out_stride + t * kLanes, out_stride);
-    });
-    return;
-  }
+  std::vector<int16_t> x16(rows * columns);
+  std::vector<float> x_steps(rows * groups);
+  x_sums.resize(rows * groups);  // the 8-bit grid has no m: its x sums go unused
+  x_on_sixteen_bits(in, rows * groups, x16.data(), x_steps.data(), x_sums.data());
+  over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
+    constexpr int kRows = decltype(block)::value;
+    if constexpr (Bits == 4) {
+      tile_product_x16<kRows>(x16.data() + r * columns, &x_steps[r * groups], &x_sums[r * groups], columns,
+                              q + t * groups * Grid<4>::kBytes, s + t * groups * Grid<4>::kScales * kLanes,
+                              y + r * out_stride + t * kLanes, out_stride);
+    } else {
+      tile_product8_x16<kRows>(x16.data() + r * columns, &x_steps[r * groups], columns,
+                               q + t * groups * Grid<8>::kBytes, s + t * groups * Grid<8>::kScales * kLanes,
+                               y + r * out_stride + t * kLanes, out_stride);
+    }
+  });
+  return;
 #endif
   for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
     float sum = 0.f;
@@ -340,6 +389,6 @@ torch::Tensor grid_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("four_bit_linear", &grid_linear<4>, "x [M, K] fp32 times a 4-bit weight's tiles, transposed: [M, N] fp32");
   m.def("eight_bit_linear", &grid_linear<8>, "x [M, K] fp32 times an 8-bit weight's tiles, transposed: [M, N] fp32");
-  m.attr("four_bit_x_bits") = kSixteenBitX ? 16 : 32;  // x of a 4-bit product: on its 16-bit grid, or fp32
+  m.attr("x_bits") = kSixteenBitX ? 16 : 32;  // x of a grid product: on its 16-bit grid, or fp32
 }
 #endif

@@ -142,8 +142,8 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     """The tiles hold the weight exactly (rebuilt from the layout alone), and the kernel's product over any number
     of rows (blocks of 8, 4, 2 and 1) is the float64 product of the fp32 weight and x within fp32's bound for a
     sum of K products (K eps sum_k |x_k w_k|), plus the bias: no bf16 rounding anywhere (the bf16 copy's error
-    is ~2^-8 of the magnitude, far above the bound). Where a 4-bit product takes x on its 16-bit grid (VNNI), it
-    is the float64 product of that x (`sixteen_bit_x`, with the zeros' term m sum x of the fp32 x) within the same
+    is ~2^-8 of the magnitude, far above the bound). Where a product takes x on its 16-bit grid (VNNI), it is the
+    float64 product of that x (`sixteen_bit_x`; a 4-bit weight's zeros' term m sum x of the fp32 x) within the same
     bound, and the fp32 product within the grid's rounding (s / 2 per x) more."""
     if cpu_linear.grid_kernels() is None:
         pytest.skip("no compiler for the grid kernel")
@@ -157,13 +157,13 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     exact = x.double() @ layer.weight.double().T + bias.double()
     bound = 576 * torch.finfo(torch.float32).eps * (x.double().abs() @ layer.weight.double().abs().T + bias.abs())
     assert got.dtype == torch.float32
-    if make is four_bit_layer and cpu_linear.grid_kernels().four_bit_x_bits == 16:
+    if cpu_linear.grid_kernels().x_bits == 16:
         x16, step = cpu_linear.sixteen_bit_x(x)
         rounded = (x16.reshape(rows, 18, 32) * step[..., None].double()).reshape(rows, 576)
         off = (rounded - x.double()).abs().reshape(rows, 18, 32)
         assert (off <= 0.501 * step[..., None].double()).all()  # s / 2, and fp32's rounding of x / s (<= 32767 eps)
         slope = (truth["d"][..., None] * truth["q"].reshape(64, 18, 32)).reshape(64, 576).double()  # w - m
-        zeros = truth["m"].double().repeat_interleave(32, dim=1)  # m
+        zeros = truth["m"].double().repeat_interleave(32, dim=1) if "m" in truth else torch.zeros(64, 576).double()
         on_grid = rounded @ slope.T + x.double() @ zeros.T + bias.double()
         assert ((got.double() - on_grid).abs() <= bound).all()
         rounding = (0.501 * step.double().repeat_interleave(32, dim=1)) @ slope.abs().T
