@@ -166,56 +166,19 @@ void tile_product(const float* x, const float* x_sums, int64_t columns, const ty
 constexpr bool kSixteenBitX = true;
 
 // out[r, 0..15] = sum_k x[r, k] w[l, k] for R rows of x16 (x on its 16-bit grid: x = s x16, s per row and group)
-// and one tile of a 4-bit weight: per group, d s times the int32 sums of q x16 (in kChains sums, as above), plus m
-// times the sum of x (x_sums, of the fp32 x).
-template <int R>
+// and one tile of a Bits-bit weight: per group, d s times the int32 sums of q x16 (in kChains sums, as above), plus
+// at 4 bits m times the sum of x (x_sums, of the fp32 x). A tile's q come as pairs of 16-bit values, lane l's pair
+// in its dword: at 4 bits the two nibbles of a byte (3 instructions per 32 q, where the fp32 path takes 5); at 8
+// bits the q of k = 2p and 2p + 1 (two rows of 16 bytes) sign-extended and interleaved (2, where it takes 4), whose
+// sums |sum| <= 127 * 32767 * 32 < 2^31 become fp32 within 2^-24 of themselves.
+template <int Bits, int R>
 void tile_product_x16(const int16_t* x16, const float* x_steps, const float* x_sums, int64_t columns,
-                      const uint8_t* packed, const at::Half* scales, float* out, int64_t out_stride) {
+                      const typename Grid<Bits>::Byte* packed, const at::Half* scales, float* out,
+                      int64_t out_stride) {
   constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
-  constexpr int kBytes = Grid<4>::kBytes, kScales = Grid<4>::kScales;
+  constexpr int kBytes = Grid<Bits>::kBytes, kScales = Grid<Bits>::kScales;
   const int64_t groups = columns / kGroup;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F);  // a dword's low 16 bits q[2p], its high 16 q[2p + 1]
-  __m512 sums[R];
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i partial[R][kChains];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
-    const uint8_t* bytes = packed + g * kBytes;
-    prefetch(bytes + kAhead * kBytes, kBytes);
-    prefetch(scales + (g + kAhead) * kScales * kLanes, kScales * kLanes * sizeof(at::Half));
-#pragma GCC unroll 16
-    for (int p = 0; p < kGroup / 2; ++p) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + p * kLanes)));
-      const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);  // (b | b << 12) & mask
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;  // x16[r, 2p] and x16[r, 2p + 1]
-        std::memcpy(&pair, x16 + r * columns + g * kGroup + 2 * p, sizeof(pair));
-        partial[r][p % kChains] = _mm512_dpwssd_epi32(partial[r][p % kChains], q, _mm512_set1_epi32(pair));
-      }
-    }
-    const __m512 d = halves_to_floats(scales + g * kScales * kLanes);
-    const __m512 m = halves_to_floats(scales + g * kScales * kLanes + kLanes);
-    for (int r = 0; r < R; ++r) {
-      __m512i group = partial[r][0];
-      for (int c = 1; c < kChains; ++c) group = _mm512_add_epi32(group, partial[r][c]);
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x_steps[r * groups + g]));
-      sums[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(group), sums[r]);
-      sums[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * groups + g]), sums[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, sums[r]);
-}
-
-// The same for one tile of an 8-bit weight: the q of k = 2p and 2p + 1 (two rows of 16 bytes) sign-extended to 16
-// bits and interleaved, lane l's pair in its dword (2 instructions per 32 q, against 4 conversions to fp32), times
-// pairs of x16; d s times the int32 sums (|sum| <= 127 * 32767 * 32 < 2^31; as fp32 within 2^-24 of itself).
-template <int R>
-void tile_product8_x16(const int16_t* x16, const float* x_steps, int64_t columns, const int8_t* packed,
-                       const at::Half* scales, float* out, int64_t out_stride) {
-  constexpr int kChains = R >= kMaxRows ? 1 : kMaxRows / R;
-  constexpr int kBytes = Grid<8>::kBytes, kScales = Grid<8>::kScales;
-  const int64_t groups = columns / kGroup;
   // 16-bit element 2l of a pair of rows from element l of the first (q[2p, l]), 2l + 1 from l of the second
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -225,14 +188,19 @@ void tile_product8_x16(const int16_t* x16, const float* x_steps, int64_t columns
     __m512i partial[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
-    const int8_t* bytes = packed + g * kBytes;
+    const typename Grid<Bits>::Byte* bytes = packed + g * kBytes;
     prefetch(bytes + kAhead * kBytes, kBytes);
     prefetch(scales + (g + kAhead) * kScales * kLanes, kScales * kLanes * sizeof(at::Half));
 #pragma GCC unroll 16
     for (int p = 0; p < kGroup / 2; ++p) {
-      const __m512i rows = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 2 * p *
-                                                                                                      kLanes)));
-      const __m512i q = _mm512_permutexvar_epi16(interleave, rows);
+      __m512i q;
+      if constexpr (Bits == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + p * kLanes)));
+        q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);  // (b | b << 12) & mask
+      } else {
+        const auto* two_rows = reinterpret_cast<const __m256i*>(bytes + 2 * p * kLanes);
+        q = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(_mm256_loadu_si256(two_rows)));
+      }
       for (int r = 0; r < R; ++r) {
         int32_t pair;  // x16[r, 2p] and x16[r, 2p + 1]
         std::memcpy(&pair, x16 + r * columns + g * kGroup + 2 * p, sizeof(pair));
@@ -240,11 +208,13 @@ void tile_product8_x16(const int16_t* x16, const float* x_steps, int64_t columns
       }
     }
     const __m512 d = halves_to_floats(scales + g * kScales * kLanes);
+    const __m512 m = Bits == 4 ? halves_to_floats(scales + g * kScales * kLanes + kLanes) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m512i group = partial[r][0];
       for (int c = 1; c < kChains; ++c) group = _mm512_add_epi32(group, partial[r][c]);
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x_steps[r * groups + g]));
       sums[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(group), sums[r]);
+      if constexpr (Bits == 4) sums[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * groups + g]), sums[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, sums[r]);
@@ -334,16 +304,10 @@ void grid_product(const float* in, int64_t rows, int64_t columns, const typename
   x_sums.resize(rows * groups);  // the 8-bit grid has no m: its x sums go unused
   x_on_sixteen_bits(in, rows * groups, x16.data(), x_steps.data(), x_sums.data());
   over_tiles_and_rows(tiles, rows, [&](int64_t t, int64_t r, auto block) {
-    constexpr int kRows = decltype(block)::value;
-    if constexpr (Bits == 4) {
-      tile_product_x16<kRows>(x16.data() + r * columns, &x_steps[r * groups], &x_sums[r * groups], columns,
-                              q + t * groups * Grid<4>::kBytes, s + t * groups * Grid<4>::kScales * kLanes,
-                              y + r * out_stride + t * kLanes, out_stride);
-    } else {
-      tile_product8_x16<kRows>(x16.data() + r * columns, &x_steps[r * groups], columns,
-                               q + t * groups * Grid<8>::kBytes, s + t * groups * Grid<8>::kScales * kLanes,
-                               y + r * out_stride + t * kLanes, out_stride);
-    }
+    tile_product_x16<Bits, decltype(block)::value>(x16.data() + r * columns, &x_steps[r * groups],
+                                                   &x_sums[r * groups], columns, q + t * groups * Grid<Bits>::kBytes,
+                                                   s + t * groups * Grid<Bits>::kScales * kLanes,
+                                                   y + r * out_stride + t * kLanes, out_stride);
   });
   return;
 #endif
