@@ -137,7 +137,10 @@ class DecodeStep {
   // Whether every projection's weight is the one the step was built from (same storage, not changed in place).
   bool current() const {
     for (const auto& layer : layers_)
-      if (identity_of(layer.weights) != layer.identity) return false;
+      for (size_t i = 0; i < layer.weights.size(); ++i)
+        if (layer.weights[i].data_ptr() != layer.identity[i].first ||
+            layer.weights[i]._version() != layer.identity[i].second)
+          return false;
     return true;
   }
 
