@@ -158,8 +158,7 @@ class DecodeStep {
     const int64_t rows = hidden.size(0), width = first.norm_in.size(0);
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.size(1) == width,
                 "hidden: float32 [B, H]");
-    TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-                "req_to_token: int32 [requests, context]");
+    check_token_table(req_to_token);
     const auto at_positions = positions.to(torch::kLong).contiguous();
     const auto slots = out_cache_loc.to(torch::kLong).contiguous();
     const auto pools = req_pool_indices.to(torch::kLong).contiguous();
@@ -169,13 +168,8 @@ class DecodeStep {
                 "one position, slot, request and length a row");
     const int64_t* position = at_positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t* length = lengths.data_ptr<int64_t>();
-    std::vector<int64_t> sequence_of(rows), position_of(rows);  // one token a sequence: the row's own, the last
-    for (int64_t r = 0; r < rows; ++r) {
-      TORCH_CHECK(length[r] >= 1, "seq_lens[b] must be at least 1");
-      sequence_of[r] = r;
-      position_of[r] = length[r] - 1;
-    }
+    std::vector<int64_t> sequence_of, position_of;  // one token a sequence: its last position
+    place_rows(lengths.data_ptr<int64_t>(), nullptr, rows, rows, sequence_of, position_of);
     for (const auto& layer : layers_)
       for (int64_t r = 0; r < rows; ++r)
         TORCH_CHECK(position[r] >= 0 && position[r] < layer.cos_sin_cache.size(0), "a position past the cos_sin_cache");

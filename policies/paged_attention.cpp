@@ -259,6 +259,30 @@ void attend_cached(const float* q, float* out, const torch::Tensor& k_cache, con
   }
 }
 
+void check_token_table(const torch::Tensor& req_to_token) {
+  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token: int32 [requests, context]");
+}
+
+// Each query row's sequence and position: sequence b's rows are the last extend_of[b] of its length_of[b] positions
+// (extend_of null: one row a sequence, a decode step's last position), in order.
+void place_rows(const int64_t* length_of, const int64_t* extend_of, int64_t batch, int64_t rows,
+                std::vector<int64_t>& sequence_of, std::vector<int64_t>& position_of) {
+  sequence_of.resize(rows);
+  position_of.resize(rows);
+  int64_t row = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t extend = extend_of != nullptr ? extend_of[b] : 1;
+    TORCH_CHECK(extend >= 0 && extend <= length_of[b], "extend_lens[b] must be within seq_lens[b]");
+    for (int64_t i = 0; i < extend; ++i, ++row) {
+      TORCH_CHECK(row < rows, "more extend tokens than query rows");
+      sequence_of[row] = b;
+      position_of[row] = length_of[b] - extend + i;
+    }
+  }
+  TORCH_CHECK(row == rows, "the extend lengths must add up to the query rows");
+}
+
 }  // namespace
 
 void paged_attention(const torch::Tensor& query, torch::Tensor& output, const torch::Tensor& k_cache,
@@ -274,8 +298,7 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
               "caches: both float32 or both bfloat16");
   TORCH_CHECK(query.stride(2) == 1 && output.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "head_dim must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token: int32 [requests, context]");
+  check_token_table(req_to_token);
   const auto pools = req_pool_indices.to(torch::kLong).contiguous();
   const auto lengths = seq_lens.to(torch::kLong).contiguous();
   const auto extends = extend_lens.to(torch::kLong).contiguous();
@@ -285,19 +308,8 @@ void paged_attention(const torch::Tensor& query, torch::Tensor& output, const to
   TORCH_CHECK(lengths.numel() == batch && extends.numel() == batch, "one length and extend length per sequence");
 
   const int64_t* pool_of = pools.data_ptr<int64_t>();
-  const int64_t* length_of = lengths.data_ptr<int64_t>();
-  const int64_t* extend_of = extends.data_ptr<int64_t>();
-  std::vector<int64_t> sequence_of(rows), position_of(rows);  // each query row's sequence and position
-  int64_t row = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(extend_of[b] >= 0 && extend_of[b] <= length_of[b], "extend_lens[b] must be within seq_lens[b]");
-    for (int64_t i = 0; i < extend_of[b]; ++i, ++row) {
-      TORCH_CHECK(row < rows, "more extend tokens than query rows");
-      sequence_of[row] = b;
-      position_of[row] = length_of[b] - extend_of[b] + i;
-    }
-  }
-  TORCH_CHECK(row == rows, "the extend lengths must add up to the query rows");
+  std::vector<int64_t> sequence_of, position_of;
+  place_rows(lengths.data_ptr<int64_t>(), extends.data_ptr<int64_t>(), batch, rows, sequence_of, position_of);
 
   attend_cached(query.data_ptr<float>(), output.data_ptr<float>(), k_cache, v_cache, req_to_token.data_ptr<int32_t>(),
                 req_to_token.stride(0), pool_of, sequence_of, position_of, rows, group, head_dim, query.stride(0),
