@@ -1,5 +1,5 @@
 """A runtime whose port another process took between `free_port` and the server's bind: SGLang's server logs
-uvicorn's bind error and hangs in shutdown instead of exiting, so `Runtime.start` reads the log, stops it and
+uvicorn's bind error and hangs in shutdown instead of exiting, so `wait_ready` reads the log, stops it and
 starts again on a fresh port (a port the config fixes is refused at once). Fast: the "server" is a stand-in
 started the way servers are started, answering the two routes `wait_ready` asks."""
 
@@ -49,12 +49,21 @@ def taken_port():
         yield sock.getsockname()[1]
 
 
-def test_a_port_taken_before_the_bind_is_left_for_a_fresh_one(stand_in, taken_port, monkeypatch, tmp_path):
+@pytest.mark.parametrize("wait", [True, False], ids=["start-waits", "wait-ready-later"])
+def test_a_port_taken_before_the_bind_is_left_for_a_fresh_one(stand_in, taken_port, monkeypatch, tmp_path, wait):
+    """Sessions, replica sets and the bench start every server first and wait after (`wait=False`): the fresh
+    port is taken in `wait_ready` as in a `start` that waits."""
     ports, fresh_port = [taken_port], server.free_port
     monkeypatch.setattr(server, "free_port", lambda host: ports.pop(0) if ports else fresh_port(host))
-    runtime = Runtime.start(RuntimeConfig(startup_timeout_s=300), name="stand-in", log_dir=tmp_path)
+    runtime = Runtime.start(RuntimeConfig(startup_timeout_s=300), name="stand-in", log_dir=tmp_path, wait=wait)
+    first_process = runtime.process
     try:
+        if not wait:
+            assert runtime.port == taken_port
+            runtime.wait_ready()
         assert runtime.port != taken_port and runtime.alive()
+        assert runtime.url.endswith(f":{runtime.port}") and runtime.log_path.name == f"stand-in-{runtime.port}.log"
+        assert wait or not group_members(first_process.pid), "the server that met the taken port was stopped"
         first = tmp_path / f"stand-in-{taken_port}.log"
         assert server.PORT_TAKEN in first.read_text(), "the first server met the taken port"
     finally:

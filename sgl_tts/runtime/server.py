@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from policies import core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, lean_decode, search_placement
 from sgl_tts import env_names
@@ -362,28 +362,29 @@ class Runtime:
         self.url = f"http://{config.host}:{port}"
         self.model_info: dict[str, Any] = {}
         self.watchdog = start_watchdog(process.pid)
+        # A new server of the same config on a fresh port (set by `start` where the config fixes no port).
+        self.relaunch: Callable[[], Runtime] | None = None
 
     @classmethod
     def start(cls, config: RuntimeConfig, name: str = "generator", log_dir: str | Path | None = None,
               wait: bool = True) -> "Runtime":
+        """Start the server; with `wait`, return once it answers (else call `wait_ready`)."""
         model_path = resolve_model(config.model)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl-tts-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        attempt = 1
-        while True:
+
+        def launch() -> "Runtime":
             port = config.port or free_port(config.host)
             log_path = log_dir / f"{name}-{port}.log"
             process = start_server(config, server_command(config, model_path, port), log_path)
-            runtime = cls(name, config, model_path, port, process, log_path)
-            if not wait:
-                return runtime
-            try:
-                runtime.wait_ready()
-                return runtime
-            except PortTakenError:
-                if config.port or attempt == START_ATTEMPTS:
-                    raise
-                attempt += 1
+            return cls(name, config, model_path, port, process, log_path)
+
+        runtime = launch()
+        if not config.port:  # a port the config fixes is not swapped for another
+            runtime.relaunch = launch
+        if wait:
+            runtime.wait_ready()
+        return runtime
 
     @property
     def worker_urls(self) -> list[str]:
@@ -401,6 +402,24 @@ class Runtime:
         return self.process.poll() is None
 
     def wait_ready(self) -> None:
+        """Wait until the server answers a generate (or encode) request. A port another process took between
+        `free_port` and the server's bind (a race no pick closes) is left for a fresh one: the server is
+        stopped and this runtime becomes a new one, up to START_ATTEMPTS starts in all; a port the config
+        fixes raises PortTakenError at once."""
+        attempt = 1
+        while True:
+            try:
+                self._wait_answering()
+                return
+            except PortTakenError:
+                if self.relaunch is None or attempt == START_ATTEMPTS:
+                    raise
+                attempt += 1
+                fresh = self.relaunch()
+                self.port, self.url, self.process, self.log_path, self.watchdog = (
+                    fresh.port, fresh.url, fresh.process, fresh.log_path, fresh.watchdog)
+
+    def _wait_answering(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
