@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -79,8 +80,8 @@ void attend_group(const float* q_group, int64_t q_h, float* out_group, int64_t o
 
 // The same in registers, for G and head_dim D known at compile time. A row of D floats is D / W vector registers
 // (W floats each: 16 with AVX-512, 8 with AVX2); the G query rows and the G output accumulators stay in registers
-// while the key and value rows stream past once. Pass 1's G dot products per key end in one halving sum each, and
-// pass 2's exponentials run W at a time (`exp_lanes`).
+// while the key and value rows stream past once. Pass 1 sums W keys' dot products at once (`transpose_sum`), pass
+// 2's exponentials run W at a time (`exp_lanes`), and key and value rows are asked into cache ahead of their use.
 #ifdef __AVX512F__
 constexpr int W = 16;
 #else
@@ -112,6 +113,50 @@ inline float lane_sum(floats x) {  // halve to 8 lanes (AVX-512), then to 4, the
   return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
+// W vectors v[0..W) to one whose lane i is the sum of v[i]'s lanes, in log2(W) levels of folds: at a level of N
+// vectors each holds its keys' partial sums in segments of N lanes, and v[m] and v[m + N / 2] fold into one with
+// segments of N / 2 (segment j becomes v[m]'s segment j halved and added, then v[m + N / 2]'s), so after the last
+// level key i sits in lane i. W - 1 folds of two shuffles and an add, where lane_sum would halve each vector on its
+// own (about 3 shuffles and a scalar store a key); the additions are lane_sum's, in its order, so the sums are the
+// same to the bit.
+constexpr int fold_lane(int lane, int n, bool upper) {
+  const int segment = lane / n, offset = lane % n, half = n / 2;
+  return (offset < half ? segment * n + offset : W + segment * n + offset - half) + (upper ? half : 0);
+}
+
+template <int N, int... Lane>
+inline floats fold(floats a, floats b, std::integer_sequence<int, Lane...>) {
+  return __builtin_shufflevector(a, b, fold_lane(Lane, N, false)...) +
+         __builtin_shufflevector(a, b, fold_lane(Lane, N, true)...);
+}
+
+template <int N = W>
+inline floats transpose_sum(floats* v) {  // overwrites v
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    for (int m = 0; m < N / 2; ++m) v[m] = fold<N>(v[m], v[m + N / 2], std::make_integer_sequence<int, W>());
+    return transpose_sum<N / 2>(v);
+  }
+}
+
+// A pool row of D elements asked into cache ahead of its use: a sequence's own tokens lie a batch's worth of slots
+// apart (each decode step takes one slot per running request), too far apart for the hardware's prefetcher.
+constexpr int64_t kRowsAhead = 16;  // rows ahead
+
+template <typename T, int D>
+inline void prefetch_row(const T* row) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) __builtin_prefetch(bytes + byte);
+}
+
+template <int P>
+inline floats row_product(const floats* q, const floats* key) {  // q . k in W lanes, to be summed
+  floats product = q[0] * key[0];
+  for (int j = 1; j < P; ++j) product += q[j] * key[j];
+  return product;
+}
+
 // e^x for x <= 0 in every lane, Cephes' expf: x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 in two
 // parts, so r is exact), e^r = 1 + r + r^2 p(r) with p of degree 5, and 2^n written into the exponent bits.
 // Relative error about 2e-7. Below -87, e^-87 (1.6e-38) instead of a denormal or 0: against a softmax's top term
@@ -141,16 +186,29 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   floats q[G][P];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < P; ++j) q[g][j] = load(q_group + g * q_h + W * j);
-  float top[G];
-  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  for (int64_t t = 0; t < attended; ++t) {  // pass 1: s_t = scale q . k_t, and the running max
-    const T* k = k_head + slots[t] * k_s;
-    floats key[P];
-    for (int j = 0; j < P; ++j) key[j] = load(k + W * j);
+  floats tops[G];  // pass 1: s_t = scale q . k_t, W keys at a time, and the running max
+  for (int g = 0; g < G; ++g) tops[g] = q[g][0] - q[g][0] - INFINITY;
+  floats key[P];
+  int64_t t = 0;
+  for (; t + W <= attended; t += W) {
+    floats products[G][W];
+    for (int i = 0; i < W; ++i) {
+      if (t + kRowsAhead + i < attended) prefetch_row<T, D>(k_head + slots[t + kRowsAhead + i] * k_s);
+      for (int j = 0; j < P; ++j) key[j] = load(k_head + slots[t + i] * k_s + W * j);
+      for (int g = 0; g < G; ++g) products[g][i] = row_product<P>(q[g], key);
+    }
     for (int g = 0; g < G; ++g) {
-      floats product = q[g][0] * key[0];
-      for (int j = 1; j < P; ++j) product += q[g][j] * key[j];
-      const float score = scale * lane_sum(product);
+      const floats score = scale * transpose_sum(products[g]);
+      __builtin_memcpy(scores + g * attended + t, &score, sizeof score);
+      tops[g] = tops[g] > score ? tops[g] : score;
+    }
+  }
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = *std::max_element(&tops[g][0], &tops[g][0] + W);
+  for (; t < attended; ++t) {  // the last keys, one at a time
+    for (int j = 0; j < P; ++j) key[j] = load(k_head + slots[t] * k_s + W * j);
+    for (int g = 0; g < G; ++g) {
+      const float score = scale * lane_sum(row_product<P>(q[g], key));
       scores[g * attended + t] = score;
       top[g] = std::max(top[g], score);
     }
@@ -171,6 +229,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   }
   floats acc[G][P] = {};
   for (int64_t t = 0; t < attended; ++t) {  // pass 3: sum_t e_t v_t, then scaled by 1 / sum
+    if (t + kRowsAhead < attended) prefetch_row<T, D>(v_head + slots[t + kRowsAhead] * v_s);
     const T* v = v_head + slots[t] * v_s;
     floats value[P];
     for (int j = 0; j < P; ++j) value[j] = load(v + W * j);

@@ -113,7 +113,8 @@ def test_paged_decode_matches_sglangs_loop(batch, heads, kv_heads, dim):
     """The compiled kernel against SGLang's loop, on a query that is a strided view (as SGLang's q is: a slice of
     the fused qkv projection) and a cache whose pool rows are shared by several sequences (forks). Head dimensions
     64 and 128 with up to 8 query heads per KV head take the kernel's register path, the others its plain loops;
-    the lengths (1-63) cover its vector exponentials and their scalar tail."""
+    the lengths (1-63) cover its blocks of 8 or 16 keys (AVX2, AVX-512) in pass 1 and in the exponentials, and the
+    keys after the last block."""
     query, k_cache, v_cache, req_to_token, pool, seq_lens = paged_batch(batch, heads=heads, kv_heads=kv_heads,
                                                                         dim=dim, seed=batch)
     req_to_token[:, :10] = req_to_token[0, :10]  # a prefix every sequence shares
