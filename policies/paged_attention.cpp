@@ -92,15 +92,7 @@ typedef int32_t ints __attribute__((vector_size(4 * W)));
 typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats4 __attribute__((vector_size(16)));
 
-typedef uint16_t shorts __attribute__((vector_size(2 * W), aligned(2)));
-
 inline floats load(const float* p) { return *reinterpret_cast<const floats*>(p); }
-inline floats load(const uint16_t* p) {  // W bf16 values widened to floats: each one's bits moved up 16
-  const ints bits = __builtin_convertvector(*reinterpret_cast<const shorts*>(p), ints) << 16;
-  floats f;
-  __builtin_memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 inline float lane_sum(floats x) {  // halve to 8 lanes (AVX-512), then to 4, then add the four
 #ifdef __AVX512F__
@@ -150,6 +142,30 @@ inline void prefetch_row(const T* row) {
   for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) __builtin_prefetch(bytes + byte);
 }
 
+// A row of D pool elements in P registers. fp32: in order. bf16: each 4W bytes loaded as W 32-bit lanes, each
+// holding an even element in its low half and the next odd one in its high half: the even ones widened by a
+// shift, the odd ones by a mask, no shuffle; register 2c holds elements 2Wc + 2i, register 2c + 1 the odd ones.
+// The query is loaded and the output stored in the same order (`element_of`), so the sums are over the same pairs.
+template <typename T, int P>
+inline void load_row(const T* row, floats* out) {
+  if constexpr (sizeof(T) == 4) {
+    for (int j = 0; j < P; ++j) out[j] = load(row + W * j);
+  } else {
+    for (int c = 0; c < P / 2; ++c) {
+      ints bits;
+      __builtin_memcpy(&bits, row + 2 * W * c, sizeof bits);
+      const ints even = bits << 16, odd = bits & int32_t(0xFFFF0000u);
+      __builtin_memcpy(&out[2 * c], &even, sizeof even);
+      __builtin_memcpy(&out[2 * c + 1], &odd, sizeof odd);
+    }
+  }
+}
+
+template <typename T>
+constexpr int element_of(int j, int lane) {  // the row element in register j, lane `lane`
+  return sizeof(T) == 4 ? W * j + lane : 2 * W * (j / 2) + 2 * lane + j % 2;
+}
+
 template <int P>
 inline floats row_product(const floats* q, const floats* key) {  // q . k in W lanes, to be summed
   floats product = q[0] * key[0];
@@ -185,7 +201,8 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   constexpr int P = D / W;  // registers per head row
   floats q[G][P];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < P; ++j) q[g][j] = load(q_group + g * q_h + W * j);
+    for (int j = 0; j < P; ++j)
+      for (int lane = 0; lane < W; ++lane) q[g][j][lane] = q_group[g * q_h + element_of<T>(j, lane)];
   floats tops[G];  // pass 1: s_t = scale q . k_t, W keys at a time, and the running max
   for (int g = 0; g < G; ++g) tops[g] = q[g][0] - q[g][0] - INFINITY;
   floats key[P];
@@ -194,7 +211,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
     floats products[G][W];
     for (int i = 0; i < W; ++i) {
       if (t + kRowsAhead + i < attended) prefetch_row<T, D>(k_head + slots[t + kRowsAhead + i] * k_s);
-      for (int j = 0; j < P; ++j) key[j] = load(k_head + slots[t + i] * k_s + W * j);
+      load_row<T, P>(k_head + slots[t + i] * k_s, key);
       for (int g = 0; g < G; ++g) products[g][i] = row_product<P>(q[g], key);
     }
     for (int g = 0; g < G; ++g) {
@@ -206,7 +223,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = *std::max_element(&tops[g][0], &tops[g][0] + W);
   for (; t < attended; ++t) {  // the last keys, one at a time
-    for (int j = 0; j < P; ++j) key[j] = load(k_head + slots[t] * k_s + W * j);
+    load_row<T, P>(k_head + slots[t] * k_s, key);
     for (int g = 0; g < G; ++g) {
       const float score = scale * lane_sum(row_product<P>(q[g], key));
       scores[g * attended + t] = score;
@@ -230,9 +247,8 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   floats acc[G][P] = {};
   for (int64_t t = 0; t < attended; ++t) {  // pass 3: sum_t e_t v_t, then scaled by 1 / sum
     if (t + kRowsAhead < attended) prefetch_row<T, D>(v_head + slots[t + kRowsAhead] * v_s);
-    const T* v = v_head + slots[t] * v_s;
     floats value[P];
-    for (int j = 0; j < P; ++j) value[j] = load(v + W * j);
+    load_row<T, P>(v_head + slots[t] * v_s, value);
     for (int g = 0; g < G; ++g) {
       const float e = scores[g * attended + t];
       for (int j = 0; j < P; ++j) acc[g][j] += e * value[j];
@@ -241,7 +257,7 @@ void attend_group_fixed(const float* q_group, int64_t q_h, float* out_group, int
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < P; ++j) {
       const floats o = acc[g][j] * inverse[g];
-      __builtin_memcpy(out_group + g * o_h + W * j, &o, sizeof o);
+      for (int lane = 0; lane < W; ++lane) out_group[g * o_h + element_of<T>(j, lane)] = o[lane];
     }
 }
 
