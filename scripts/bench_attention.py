@@ -1,15 +1,17 @@
 """One layer's decode attention on the paged KV pool: the batched SDPA in torch (`batched_decode`) against the
 compiled kernel (`paged_decode`), side by side (policies/cpu_attention.py).
 
-SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, fp32), one thread. Each sequence's context is a
-prefix it shares with every other sequence (forks of one prompt) followed by its own tokens, on contiguous slots
-(`--placement random` scatters the own tokens over the pool; `shared` puts every sequence on the same slots, all
-in cache). `--against FILE` adds a third arm: the kernel built from another version of policies/paged_attention.cpp
+SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, an fp32 pool or `--kv-dtype bfloat16`), one thread.
+Each sequence's context is a prefix it shares with the other forks of its prompt (`--forks` sequences a prompt; 0:
+one prompt for all) followed by its own tokens, on contiguous slots (`--placement strided` puts a sequence's own
+tokens a batch's worth of slots apart, as decode steps allocate them, one slot per running request; `random`
+scatters them over the pool; `shared` puts every sequence on the same slots, all in cache). `--against FILE` adds a third arm: the kernel built from another version of policies/paged_attention.cpp
 (e.g. `git show HEAD~1:policies/paged_attention.cpp > /tmp/before.cpp`). Each round times 10 calls of each arm,
 the order rotating; prints the median [min-max] per call over the rounds and the ratios of the medians to the
 paged kernel's, with the CPU model and the load.
 
     .venv/bin/python scripts/bench_attention.py [--sizes 16x300,64x200,128x300] [--rounds 5] [--against FILE]
+        [--placement strided --forks 16 --kv-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -27,21 +29,31 @@ from sgl_tts.runtime.hardware import cpu_summary
 HEADS, KV_HEADS, HEAD_DIM, POOL = 9, 3, 64, 65536
 
 
-def batch(sequences: int, context: int, placement: str, seed: int = 0):
-    """query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens for `sequences` of `context` tokens."""
+def batch(sequences: int, context: int, placement: str, forks: int = 0, dtype: torch.dtype = torch.float32,
+          seed: int = 0):
+    """query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens for `sequences` of `context` tokens, in
+    groups of `forks` (0: one group) sharing their prompt's prefix of half the context."""
     generator = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator)
-    v_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator)
+    k_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    v_cache = torch.randn(POOL, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     shared, own = context // 2, context - context // 2
+    forks = forks or sequences
+    prompts = -(-sequences // forks)
+    if prompts * shared + sequences * own > POOL:
+        raise SystemExit(f"{sequences}x{context}: more tokens than the pool's {POOL} slots")
     req_to_token = torch.zeros(sequences, context, dtype=torch.int32)
     for row in range(sequences):
         if placement == "shared":
             req_to_token[row] = torch.arange(context)
             continue
-        mine = torch.arange(shared + row * own, shared + (row + 1) * own) % POOL
-        if placement == "random":
-            mine = torch.randint(shared, POOL, (own,), generator=generator)
-        req_to_token[row] = torch.cat([torch.arange(shared), mine])
+        prefix = torch.arange(shared) + row // forks * shared
+        first = prompts * shared  # own tokens after every prompt's prefix
+        mine = torch.arange(first + row * own, first + (row + 1) * own)
+        if placement == "strided":
+            mine = first + row + sequences * torch.arange(own)
+        elif placement == "random":
+            mine = torch.randint(first, POOL, (own,), generator=generator)
+        req_to_token[row] = torch.cat([prefix, mine])
     query = torch.randn(sequences, HEADS, HEAD_DIM, generator=generator)
     return query, k_cache, v_cache, req_to_token, torch.arange(sequences), torch.full((sequences,), context)
 
@@ -49,7 +61,9 @@ def batch(sequences: int, context: int, placement: str, seed: int = 0):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16x300,64x200,128x300", help="SEQUENCESxCONTEXT, comma-separated")
-    parser.add_argument("--placement", choices=["contiguous", "random", "shared"], default="contiguous")
+    parser.add_argument("--placement", choices=["contiguous", "strided", "random", "shared"], default="contiguous")
+    parser.add_argument("--forks", type=int, default=0, help="sequences sharing a prompt's prefix (0: all)")
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--against", help="another version of policies/paged_attention.cpp, built as a third arm")
     args = parser.parse_args()
@@ -57,7 +71,7 @@ def main() -> None:
     if paged_kernel() is None:
         raise SystemExit("the paged attention kernel could not be built here (the log above says why)")
     print(f"{cpu_summary()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; one thread; "
-          f"placement {args.placement}", flush=True)
+          f"placement {args.placement}, forks {args.forks or 'all'}, KV pool {args.kv_dtype}", flush=True)
     arms = {"batched SDPA": batched_decode, "paged kernel": paged_decode}
     if args.against:
         other = build_kernel(open(args.against, "rb").read())
@@ -72,7 +86,7 @@ def main() -> None:
         arms[f"kernel of {os.path.basename(args.against)}"] = against
     for size in args.sizes.split(","):
         sequences, context = (int(x) for x in size.split("x"))
-        query, *pool = batch(sequences, context, args.placement)
+        query, *pool = batch(sequences, context, args.placement, args.forks, getattr(torch, args.kv_dtype))
         outputs = {name: torch.empty_like(query) for name in arms}
         for name, decode in arms.items():
             decode(query, outputs[name], *pool, scaling=HEAD_DIM ** -0.5, enable_gqa=True)

@@ -24,6 +24,7 @@ PROBLEM = Problem(id="p1", question="what is two plus two?", gold="4")
 SEARCH = SearchConfig(n=8, beam_width=2, max_steps=4, max_step_tokens=48, max_tokens=192)
 SMOL = RuntimeConfig(model="smollm2-135m", device="cpu")
 KV_FP32 = 46080  # SmolLM2-135M KV bytes per token in fp32 (2·30·3·64·4)
+KV_BF16 = KV_FP32 // 2  # in bf16, the CPU runtime's pool by default (RuntimeConfig.kv_cache_dtype "auto")
 
 
 def test_config_validates_and_loads_from_yaml_mapping():
@@ -52,7 +53,7 @@ def test_labels_name_the_switches():
 def test_baseline_is_fcfs_without_priorities_and_a_50_50_split():
     fast = FastTTSConfig(kv_budget_mib=200)
     settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
-    half_tokens = int(200 * MIB / 2 // KV_FP32)
+    half_tokens = int(200 * MIB / 2 // KV_BF16)
     assert settings.split == "static"
     assert settings.generator.max_total_tokens == settings.verifier.max_total_tokens == half_tokens
     assert settings.generator.env[ENV_POLICY] == "fcfs"
@@ -75,7 +76,7 @@ def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_every_runtime
     fast = from_label("P+M", kv_budget_mib=300, hardware="rtx4090")
     settings = configure_runtimes(fast, SEARCH, SMOL, SMOL)
     spec = model_spec_for(SMOL)
-    assert spec.kv_bytes_per_token == KV_FP32
+    assert spec.kv_bytes_per_token == KV_BF16
     floor = longest_request_tokens(fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
     work = plan_workload(SEARCH.n, fast.prompt_tokens, SEARCH.max_tokens, SEARCH.max_step_tokens)
     # n = 8, B = 2: 4 kept parents; 128 + 4·(192 − 48) + 8·48 = 1088 tokens for each runtime
@@ -87,12 +88,12 @@ def test_m_splits_the_budget_by_the_roofline_plan_with_a_floor_for_every_runtime
     assert settings.plan.working_sets == sets
     assert settings.verifier.max_total_tokens == plan.verifier.max_total_tokens >= 1088, "its working set"
     assert settings.generator.max_total_tokens == plan.generator.max_total_tokens >= 1088
-    total = (settings.generator.max_total_tokens + settings.verifier.max_total_tokens) * KV_FP32
-    assert 300 * MIB - 2 * KV_FP32 < total <= 300 * MIB, "the whole budget is handed out"
+    total = (settings.generator.max_total_tokens + settings.verifier.max_total_tokens) * KV_BF16
+    assert 300 * MIB - 2 * KV_BF16 < total <= 300 * MIB, "the whole budget is handed out"
     assert settings.generator.mem_fraction_static is None, "CPU runtimes get no GPU memory fraction"
-    # 40 MiB hold 910 tokens, less than the two working sets (2176): the verifier gets at least its share in
+    # 20 MiB hold 910 tokens, less than the two working sets (2176): the verifier gets at least its share in
     # proportion to the working sets (455), the generator at least its longest request (368); the cost decides.
-    tight = configure_runtimes(dataclasses.replace(fast, kv_budget_mib=40), SEARCH, SMOL, SMOL)
+    tight = configure_runtimes(dataclasses.replace(fast, kv_budget_mib=20), SEARCH, SMOL, SMOL)
     assert floor == 368 and 455 <= tight.verifier.max_total_tokens <= 910 - 368
     assert tight.generator.max_total_tokens + tight.verifier.max_total_tokens in (909, 910)
 
@@ -107,9 +108,9 @@ def test_m_without_a_budget_pools_the_configured_budgets():
 
 def test_a_shared_runtime_gets_the_whole_budget_and_too_small_budgets_are_refused():
     settings = configure_runtimes(FastTTSConfig(kv_budget_mib=50), SEARCH, SMOL, None)
-    assert settings.verifier is None and settings.generator.max_total_tokens == int(50 * MIB // KV_FP32)
+    assert settings.verifier is None and settings.generator.max_total_tokens == int(50 * MIB // KV_BF16)
     with pytest.raises(ConfigError, match=r"kv_budget_mib.*(generator|verifier).*longest request"):
-        configure_runtimes(FastTTSConfig(kv_budget_mib=20), SEARCH, SMOL, SMOL)
+        configure_runtimes(FastTTSConfig(kv_budget_mib=10), SEARCH, SMOL, SMOL)
 
 
 # ---- the search side, on the scripted backend ----

@@ -50,11 +50,12 @@ class ModelSpec:
     weight_bytes: float
     matmul_params: float
     dtype_bytes: int
+    kv_dtype_bytes: int | None = None  # bytes of a KV element: None, the weights' dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
         """2·L·H_kv·d_h·s: keys and values of every layer (edge-inference-evaluation eq. 2)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
 
 # The fields of Hugging Face config.json files the planner reads, for models the project uses.

@@ -67,6 +67,9 @@ class RuntimeConfig:
     model: str = "smollm2-135m"  # built-in name, local HF folder or hub id (see sgl_tts.runtime.models)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
+    # The KV pool's dtype (SGLang's --kv-cache-dtype: "bf16", "fp8_e4m3", ...). "auto": bf16 on a CPU whose attention
+    # is the project's paged kernel (it reads half the bytes a decode step, `kv_cache_dtype`), SGLang's choice else.
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
     host: str = LOCALHOST  # a loopback address, or any address with allow_remote
     allow_remote: bool = False  # the opt-in for a host other machines can reach
@@ -170,6 +173,9 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     cmd += ["--dtype", dtype]
     if attention:
         cmd += ["--attention-backend", attention]
+    kv_dtype = kv_cache_dtype(config)
+    if kv_dtype is not None and flag_value(config.extra_args, "--kv-cache-dtype") is None:
+        cmd += ["--kv-cache-dtype", kv_dtype]
     ranks = config.ranks
     optional = {
         "--max-total-tokens": config.max_total_tokens // ranks if config.max_total_tokens else None,  # per rank
@@ -189,6 +195,31 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     if config.is_embedding:
         cmd.append("--is-embedding")
     return cmd + list(config.extra_args)
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value `args` give `flag` (`--flag value` or `--flag=value`; the last one, as argparse reads them)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def kv_cache_dtype(config: RuntimeConfig) -> str | None:
+    """The server's --kv-cache-dtype: what `extra_args` or the config name; for "auto", bf16 where the CPU runtime's
+    attention is the paged kernel (policies/paged_attention.cpp widens each bf16 row as it loads it: `make run` 1.05-
+    1.09x, docs/runtime-speed.md), else None (SGLang's own choice)."""
+    named = flag_value(config.extra_args, "--kv-cache-dtype")
+    if named is not None:
+        return named
+    if config.kv_cache_dtype != "auto":
+        return config.kv_cache_dtype
+    paged = (config.device == "cpu" and config.attention_backend in (None, "torch_native")
+             and config.env.get(env_names.CPU_ATTENTION, cpu_attention.PAGED) == cpu_attention.PAGED)
+    return "bf16" if paged else None
 
 
 def server_env(config: RuntimeConfig) -> dict[str, str]:
