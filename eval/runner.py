@@ -62,7 +62,7 @@ from sgl_tts.config import ConfigError
 from sgl_tts.paths import folder_lock, write_atomic
 from sgl_tts.measure.metrics import summarize
 from sgl_tts.search.records import SearchResult
-from sgl_tts.runtime.server import RuntimeDiedError
+from sgl_tts.runtime.server import RuntimeDiedError, kv_pool_dtype
 
 if TYPE_CHECKING:  # eval.experiment imports sgl_tts.app.session, which imports sglang (seconds): not for --help
     from eval.experiment import Experiment, ScriptedOptions, Unit
@@ -231,7 +231,8 @@ class SessionSolver:
         tokenizer = self.session.tokenizer
         models = {
             name: {"model": rt.config.model, "path": rt.model_path, "revision": model_revision(rt.model_path),
-                   "device": rt.config.device, "precision": _precision(rt), "server": rt.model_info}
+                   "device": rt.config.device, "precision": _precision(rt),
+                   "kv_cache_dtype": kv_pool_dtype(rt.config) or "auto", "server": rt.model_info}
             for name, rt in self.session.runtimes.items()
         }
         models["tokenizer"] = {"name_or_path": tokenizer.name_or_path, "class": type(tokenizer).__name__,

@@ -148,6 +148,7 @@ inline void prefetch_row(const T* row) {
 // The query is loaded and the output stored in the same order (`element_of`), so the sums are over the same pairs.
 template <typename T, int P>
 inline void load_row(const T* row, floats* out) {
+  static_assert(sizeof(T) == 4 || P % 2 == 0, "a bf16 row fills registers in pairs");
   if constexpr (sizeof(T) == 4) {
     for (int j = 0; j < P; ++j) out[j] = load(row + W * j);
   } else {

@@ -5,10 +5,11 @@ SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, an fp32 pool or `--k
 Each sequence's context is a prefix it shares with the other forks of its prompt (`--forks` sequences a prompt; 0:
 one prompt for all) followed by its own tokens, on contiguous slots (`--placement strided` puts a sequence's own
 tokens a batch's worth of slots apart, as decode steps allocate them, one slot per running request; `random`
-scatters them over the pool; `shared` puts every sequence on the same slots, all in cache). `--against FILE` adds a third arm: the kernel built from another version of policies/paged_attention.cpp
-(e.g. `git show HEAD~1:policies/paged_attention.cpp > /tmp/before.cpp`). Each round times 10 calls of each arm,
-the order rotating; prints the median [min-max] per call over the rounds and the ratios of the medians to the
-paged kernel's, with the CPU model and the load.
+scatters them over the pool; `shared` puts every sequence on the same slots, all in cache). `--against FILE` adds a
+third arm: the kernel built from another version of policies/paged_attention.cpp (e.g. `git show
+HEAD~1:policies/paged_attention.cpp > /tmp/before.cpp`). Each round times 10 calls of each arm, the order rotating;
+prints the median [min-max] per call over the rounds and the ratios of the medians to the paged kernel's, with the
+CPU model and the load.
 
     .venv/bin/python scripts/bench_attention.py [--sizes 16x300,64x200,128x300] [--rounds 5] [--against FILE]
         [--placement strided --forks 16 --kv-dtype bfloat16]

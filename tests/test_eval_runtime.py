@@ -72,6 +72,7 @@ def test_real_runtime_run_with_a_killed_runtime(tmp_path, monkeypatch):
         assert requests["first_token_s"] is not None, "--enable-metrics adds first-token latency"
         generator = row["provenance"]["models"]["generator"]
         assert generator["model"] == "tiny-random" and generator["precision"] == "float32"
+        assert generator["kv_cache_dtype"] == "bf16", "the CPU runtime's pool, as the server was started"
         assert generator["revision"] == {"source": "random", "seed": 0}
         assert row["provenance"]["models"]["tokenizer"]["vocab_size"] > 1000
         if not row["timing"]["runtimes_reused"]:

@@ -68,7 +68,7 @@ class RuntimeConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
     # The KV pool's dtype (SGLang's --kv-cache-dtype: "bf16", "fp8_e4m3", ...). "auto": bf16 on a CPU whose attention
-    # is the project's paged kernel (it reads half the bytes a decode step, `kv_cache_dtype`), SGLang's choice else.
+    # is the project's paged kernel (it reads half the bytes a decode step: `kv_pool_dtype`), SGLang's choice else.
     kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
     host: str = LOCALHOST  # a loopback address, or any address with allow_remote
@@ -173,7 +173,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     cmd += ["--dtype", dtype]
     if attention:
         cmd += ["--attention-backend", attention]
-    kv_dtype = kv_cache_dtype(config)
+    kv_dtype = kv_pool_dtype(config)
     if kv_dtype is not None and flag_value(config.extra_args, "--kv-cache-dtype") is None:
         cmd += ["--kv-cache-dtype", kv_dtype]
     ranks = config.ranks
@@ -208,10 +208,10 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def kv_cache_dtype(config: RuntimeConfig) -> str | None:
+def kv_pool_dtype(config: RuntimeConfig) -> str | None:
     """The server's --kv-cache-dtype: what `extra_args` or the config name; for "auto", bf16 where the CPU runtime's
-    attention is the paged kernel (policies/paged_attention.cpp widens each bf16 row as it loads it: `make run` 1.05-
-    1.09x, docs/runtime-speed.md), else None (SGLang's own choice)."""
+    attention is the paged kernel (policies/paged_attention.cpp widens each bf16 row as it loads it: `make run`'s
+    search 1.06-1.08x sooner than on fp32, docs/runtime-speed.md), else None (SGLang's own choice)."""
     named = flag_value(config.extra_args, "--kv-cache-dtype")
     if named is not None:
         return named
