@@ -23,6 +23,10 @@ from sgl_tts.scoring.probe_train import extract_features, fit_logistic, load_fea
 from sgl_tts.scoring.step_labels import LabelledSolution
 
 TOLERANCE = 1e-4  # fp32 on both sides
+# A generator's margins against transformers' fp32: its KV pool is bf16 (the CPU default), keys and values rounded to
+# 8 significant bits, which moved this tiny model's margins (w·h, of order 1) by up to 1.6e-3 and its step scores by
+# up to 2e-4; a margin read from another token's slot is off by a tenth or more.
+POOL_TOLERANCE = 1e-2
 SOLUTIONS = [
     LabelledSolution("a", "Tom has 3 apples and buys 4 more. How many?", ("Tom starts with 3.", "3 + 4 = 7.",
                                                                          "The answer is 7."), -1),
@@ -412,7 +416,7 @@ def test_sglang_ranks_keep_each_tokens_probe_margin_by_kv_slot(tiny_runtime, tin
     for prompt, steps in zip(prompts, paths):
         scored = scorer.score_counted(prompt, [steps])
         assert scored.scores[0] == pytest.approx(generator_reference(base_dir, head, tokenizer, prompt, steps),
-                                                 abs=TOLERANCE)
+                                                 abs=POOL_TOLERANCE)
         assert scored.counts.cached_tokens >= scored.counts.input_tokens - 1, "the path was read from the cache"
     prompt_ids = tokenizer(prompts[0] + " Then", add_special_tokens=False).input_ids
     decoded = http_json(tiny_runtime.url + "/generate", {"input_ids": prompt_ids, "sampling_params": {
@@ -420,4 +424,4 @@ def test_sglang_ranks_keep_each_tokens_probe_margin_by_kv_slot(tiny_runtime, tin
     ids = prompt_ids + decoded["output_ids"]
     again = http_json(tiny_runtime.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
     assert again["meta_info"]["cached_tokens"] >= len(ids) - 2, "the decoded tokens' slots were cached"
-    assert again["meta_info"][META_KEY][0] == pytest.approx(token_margins(base_dir, head, ids), abs=TOLERANCE)
+    assert again["meta_info"][META_KEY][0] == pytest.approx(token_margins(base_dir, head, ids), abs=POOL_TOLERANCE)

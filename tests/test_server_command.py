@@ -31,17 +31,21 @@ def test_a_cpu_runtime_keeps_its_kv_in_bf16_where_the_paged_kernel_reads_it():
     """The pool's dtype on the command line and in the memory plan's bytes a token agree in every case."""
     cases = [  # config, the --kv-cache-dtype values on the command line, KV bytes a token of SmolLM2-135M
         (RuntimeConfig(device="cpu"), ["bf16"], 23040),
-        (RuntimeConfig(device="cpu", kv_cache_dtype="float32"), ["float32"], 46080),
+        (RuntimeConfig(device="cpu", kv_cache_dtype="model"), [], 46080),
+        (RuntimeConfig(device="cpu", kv_cache_dtype="fp8_e4m3"), ["fp8_e4m3"], 11520),
         (RuntimeConfig(device="cpu", extra_args=["--kv-cache-dtype", "auto"]), ["auto"], 46080),
         (RuntimeConfig(device="cpu", extra_args=["--kv-cache-dtype=fp8_e4m3"]), [], 11520),
         (RuntimeConfig(device="cpu", env={env_names.CPU_ATTENTION: "batched"}), [], 46080),
         (RuntimeConfig(device="cpu", attention_backend="intel_amx"), [], 46080),
+        (RuntimeConfig(device="cpu", is_embedding=True), [], 46080),  # a reward model keeps its scores' reference
         (RuntimeConfig(device="cuda"), [], None),
     ]
     for config, on_command_line, kv_bytes in cases:
         assert flag_values(server_command(config, "/m", 1), "--kv-cache-dtype") == on_command_line, config
         if kv_bytes is not None:
             assert model_spec_for(config).kv_bytes_per_token == kv_bytes, config
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, model or one of bf16.*got 'float32'"):
+        RuntimeConfig(kv_cache_dtype="float32")
 
 
 def test_extra_args_come_last_so_they_override_the_defaults():

@@ -55,6 +55,7 @@ class PortTakenError(RuntimeStartError):
 
 
 PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's message, in the server's log
+KV_CACHE_DTYPES = ("bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16")  # SGLang 0.5.23's
 START_ATTEMPTS = 3  # starts on a fresh free port after PortTakenError (not for a port the config fixes)
 
 
@@ -67,8 +68,9 @@ class RuntimeConfig:
     model: str = "smollm2-135m"  # built-in name, local HF folder or hub id (see sgl_tts.runtime.models)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "auto"  # "auto" means float32 on CPU, the model's dtype on CUDA
-    # The KV pool's dtype (SGLang's --kv-cache-dtype: "bf16", "fp8_e4m3", ...). "auto": bf16 on a CPU whose attention
-    # is the project's paged kernel (it reads half the bytes a decode step: `kv_pool_dtype`), SGLang's choice else.
+    # The KV pool's dtype: "auto", bf16 on a CPU runtime that decodes with the project's paged kernel (half the bytes a
+    # decode step reads: `kv_pool_dtype`) and the weights' dtype elsewhere; "model", the weights' dtype (fp32 on CPU);
+    # or one of SGLang's --kv-cache-dtype values (KV_CACHE_DTYPES).
     kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: torch_native on CPU, SGLang's choice on CUDA
     host: str = LOCALHOST  # a loopback address, or any address with allow_remote
@@ -114,6 +116,9 @@ class RuntimeConfig:
                              "server: use 127.0.0.1, or set allow_remote: true to bind it anyway")
         if any(arg == "--host" or arg.startswith("--host=") for arg in self.extra_args):
             raise ValueError("extra_args must not set --host: set 'host' (and allow_remote for a non-loopback one)")
+        if self.kv_cache_dtype not in ("auto", "model", *KV_CACHE_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be auto, model or one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         for url in self.remote_workers:
@@ -198,7 +203,7 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
-    """The value `args` give `flag` (`--flag value` or `--flag=value`; the last one, as argparse reads them)."""
+    """The value `args` give `flag` (`--flag value` or `--flag=value`; the last one wins, as in SGLang's parser)."""
     value = None
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):
@@ -209,17 +214,21 @@ def flag_value(args: list[str], flag: str) -> str | None:
 
 
 def kv_pool_dtype(config: RuntimeConfig) -> str | None:
-    """The server's --kv-cache-dtype: what `extra_args` or the config name; for "auto", bf16 where the CPU runtime's
-    attention is the paged kernel (policies/paged_attention.cpp widens each bf16 row as it loads it: `make run`'s
-    search 1.06-1.08x sooner than on fp32, docs/runtime-speed.md), else None (SGLang's own choice)."""
+    """The server's --kv-cache-dtype, None for SGLang's own (the weights' dtype): what `extra_args` or the config
+    name ("model": None); for "auto", bf16 where a CPU runtime that decodes has the paged kernel for attention
+    (policies/paged_attention.cpp widens each bf16 row as it loads it: `make run`'s search 1.06-1.08x sooner than on
+    fp32, docs/runtime-speed.md). A reward model served for its scores (`is_embedding`) only prefills and keeps the
+    weights' dtype, so its scores stay its reference's."""
     named = flag_value(config.extra_args, "--kv-cache-dtype")
     if named is not None:
         return named
+    if config.kv_cache_dtype == "model":
+        return None
     if config.kv_cache_dtype != "auto":
         return config.kv_cache_dtype
     paged = (config.device == "cpu" and config.attention_backend in (None, "torch_native")
              and config.env.get(env_names.CPU_ATTENTION, cpu_attention.PAGED) == cpu_attention.PAGED)
-    return "bf16" if paged else None
+    return "bf16" if paged and not config.is_embedding else None
 
 
 def server_env(config: RuntimeConfig) -> dict[str, str]:

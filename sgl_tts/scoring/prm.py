@@ -35,8 +35,10 @@ def classifier_runtime_config(model: str, cached: bool = False, **overrides: Any
 
     # Without chunked prefill SGLang's default static fraction reserves max_prefill_tokens * 1.5 MB of activations
     # and goes negative on a small host, so both memory knobs are set.
+    # The pool in the weights' dtype (fp32 on a CPU, not the bf16 a generator gets there): a PRM only prefills, and
+    # its step scores stay its reference's.
     settings: dict[str, Any] = dict(model=model, env=dict(EXTERNAL_MODEL_ENV), mem_fraction_static=0.3,
-                                    max_total_tokens=16384)
+                                    max_total_tokens=16384, kv_cache_dtype="model")
     if not cached:
         settings.update(is_embedding=True, extra_args=list(SERVER_ARGS))
     settings.update(overrides)
