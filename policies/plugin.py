@@ -4,6 +4,7 @@ policies/cpu_linear.py ($SGLTTS_CPU_LINEAR=packed), the compiled RMSNorm and rot
 ($SGLTTS_CPU_LAYERS=fused), the lean Llama decode step over those kernels of policies/lean_decode.py
 ($SGLTTS_CPU_DECODE=lean), the inverse-CDF sampling of policies/cpu_sampling.py
 ($SGLTTS_CPU_SAMPLING=cdf), denormals flushed to zero in the scheduler's thread ($SGLTTS_CPU_DENORMALS=flush),
+large blocks kept in the scheduler's heap for reuse (policies/cpu_malloc.py, $SGLTTS_CPU_MALLOC=reuse),
 the search placement over data-parallel ranks of policies/search_placement.py
 ($SGLTTS_DP_PLACEMENT=search), an idle rank's core lent to a working one (policies/core_lending.py,
 $SGLTTS_CORE_LENDING=on), the probe margins of policies/probe_readout.py ($SGLTTS_PROBE_HEAD=<head file>)
@@ -26,8 +27,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, idle_wait, lean_decode,
-                      make_policy, probe_readout, search_placement, step_timing)
+from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_malloc, cpu_sampling, idle_wait,
+                      lean_decode, make_policy, probe_readout, search_placement, step_timing)
 from policies.base import BeamTag, FcfsOrder, OrderingPolicy, decode_rid
 from policies.step_timing import StepTrace
 from sgl_tts import env_names
@@ -138,6 +139,9 @@ def register() -> None:
     if (env_names.read(env_names.CPU_DENORMALS) or "").strip() == cpu_sampling.FLUSH:
         # this thread runs the scheduler's forward and sampling; FTZ/DAZ are per thread
         announce(f"denormals {'' if cpu_sampling.flush_denormals() else 'not '}flushed to zero in this thread")
+    if (env_names.read(env_names.CPU_MALLOC) or "").strip() == cpu_malloc.REUSE:
+        # process-wide, and inherited by the data-parallel ranks forked after this
+        announce(f"large blocks {'' if cpu_malloc.reuse_large_blocks() else 'not '}kept in the heap for reuse")
     if placement == search_placement.SEARCH:
         switched_on.append(([(search_placement.TARGET, search_placement.make_dispatch_hook(), "AROUND")],
                             f"search placement installed on {search_placement.TARGET}"))

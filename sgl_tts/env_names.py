@@ -32,6 +32,7 @@ CORE_LENDING = "SGLTTS_CORE_LENDING"  # "on": an idle DP rank's core lent to a w
 # leave the cores free, "always": whatever they do (policies/core_lending.py)
 CPU_SAMPLING = "SGLTTS_CPU_SAMPLING"  # "cdf": the plugin's inverse-CDF token sampling (policies/cpu_sampling.py)
 CPU_DENORMALS = "SGLTTS_CPU_DENORMALS"  # "flush": denormal floats to zero in the scheduler (policies/cpu_sampling.py)
+CPU_MALLOC = "SGLTTS_CPU_MALLOC"  # "reuse": large blocks kept in the scheduler's heap (policies/cpu_malloc.py)
 PROBE_HEAD = "SGLTTS_PROBE_HEAD"  # a probe head file a generator computes margins of (policies/probe_readout.py)
 STEP_TRACE = "SGLTTS_STEP_TRACE"  # a file the plugin appends each scheduler step's timing to (policies/step_timing.py)
 EVAL_TAG = "SGLTTS_EVAL_TAG"  # tests: marks the processes an eval test starts, to find leftovers
@@ -40,7 +41,7 @@ NOTEBOOK_TAG = "SGLTTS_NOTEBOOK_TAG"  # tests: marks the processes a notebook te
 RUNTIME_ZYGOTE = "SGLTTS_RUNTIME_ZYGOTE"  # "off": CPU runtimes started afresh, not forked (sgl_tts/runtime/zygote.py)
 
 NAMES = (CACHE, DATA, API_KEY, POLICY, POLICY_TRACE, CPU_ATTENTION, CPU_LINEAR, CPU_LAYERS, CPU_DECODE, CPU_SAMPLING,
-         CPU_DENORMALS, DP_PLACEMENT, CORE_LENDING, PROBE_HEAD, STEP_TRACE,
+         CPU_DENORMALS, CPU_MALLOC, DP_PLACEMENT, CORE_LENDING, PROBE_HEAD, STEP_TRACE,
          EVAL_TAG, NOTEBOOK_MODEL, NOTEBOOK_TAG, RUNTIME_ZYGOTE)
 
 _warned: set[str] = set()  # old names already warned about in this process

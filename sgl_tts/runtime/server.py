@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from policies import core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_sampling, lean_decode, search_placement
+from policies import (core_lending, cpu_attention, cpu_layers, cpu_linear, cpu_malloc, cpu_sampling, lean_decode,
+                      search_placement)
 from sgl_tts import env_names
 from sgl_tts.runtime.hardware import cpu_flags
 from sgl_tts.runtime.http_client import http_json
@@ -265,6 +266,9 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # Denormal floats flushed to zero in the scheduler: the softmax of a row at temperature 0.3 has a denormal
         # tail that x86 computes some 20x slower (policies/cpu_sampling.py); `env: {SGLTTS_CPU_DENORMALS: keep}`.
         env.setdefault(env_names.CPU_DENORMALS, cpu_sampling.FLUSH)
+        # Large temporaries (a step's logits and probabilities, 25 MB at 128 rows) reused from the heap, not mapped
+        # afresh and faulted in each step (policies/cpu_malloc.py); `env: {SGLTTS_CPU_MALLOC: system}` keeps glibc's.
+        env.setdefault(env_names.CPU_MALLOC, cpu_malloc.REUSE)
         # A stop (SIGTERM to the group) reads to SGLang as a crash: it sleeps 5 s "to let GPU activity settle", then
         # py-spy-dumps the schedulers and asks for CUDA core dumps. On a CPU that is 5 s and a dump per stop, for
         # nothing a user asked.
