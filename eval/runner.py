@@ -232,7 +232,7 @@ class SessionSolver:
         models = {
             name: {"model": rt.config.model, "path": rt.model_path, "revision": model_revision(rt.model_path),
                    "device": rt.config.device, "precision": _precision(rt),
-                   "kv_cache_dtype": kv_pool_dtype(rt.config) or "auto", "server": rt.model_info}
+                   "kv_cache_dtype": kv_pool_dtype(rt.config) or "model", "server": rt.model_info}
             for name, rt in self.session.runtimes.items()
         }
         models["tokenizer"] = {"name_or_path": tokenizer.name_or_path, "class": type(tokenizer).__name__,

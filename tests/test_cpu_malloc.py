@@ -59,7 +59,7 @@ def test_the_plugin_sets_them_in_the_scheduler_when_asked():
 
     from sgl_tts import env_names
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLTTS_", "SGL_TTS_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith((env_names.PREFIX, env_names.OLD_PREFIX))}
     said = {}
     for value in ("reuse", "system"):
         result = subprocess.run([sys.executable, "-c", "from policies import plugin; plugin.register()"],

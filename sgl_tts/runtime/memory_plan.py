@@ -343,8 +343,8 @@ class KVSplitError(ValueError):
         self.argument = argument
 
 
-# SGLang's --kv-cache-dtype values, in bytes an element
-KV_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# SGLang's --kv-cache-dtype values, in bytes an element (its 4-bit ones left out: the weights' dtype, too many)
+KV_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1}
 
 
 def model_spec_for(config: RuntimeConfig) -> ModelSpec:
