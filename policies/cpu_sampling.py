@@ -32,19 +32,45 @@ With real logits SGLang's softmax took 7% of a rank's step at 32 rows (py-spy); 
 below 1.2e-38 is no probability a sampler can draw, so `flush_denormals` sets the scheduler thread's FTZ/DAZ
 bits (`torch.set_flush_denormal`), which are per thread: with $SGLTTS_CPU_DENORMALS=flush (every CPU runtime;
 `keep` leaves them) the plugin calls it in the scheduler's main thread, where the forward and sampling run.
-The plugin (`policies/plugin.py`) installs both with $SGLTTS_CPU_SAMPLING=cdf (`sgl_tts/runtime/server.py` sets it
-on every CPU runtime); seeded sampling, a caller that wants the filtered distribution back, and any tensor not on
-the CPU go to SGLang's code unchanged.
+One pass, in place. Done in torch, the draw writes the prefix sums (25 MB at 128 rows of 49,152), and `split_hook`
+first copied the rows it draws (`probs[plain]`, 25 MB more); SGLang's sampler also copies the softmax it computed
+into the logits' tensor (`logits[:] = softmax(logits)`). With the kernel built (`policies/cpu_sampling.cpp`), a row is
+drawn where it lies, by sums of blocks of 16 and one walk (the .cpp has the arithmetic: min { i : C_i > u C_{V-1} }
+with C in double), and `softmax_hook` writes the sampler's softmax over its logits (the same kernel, the same
+values; SGLang's copy of a tensor onto itself returns at once). 128 rows of 49,152 from the logits to the tokens,
+two of them greedy: 28-42 ms -> 9-12 ms on one thread (2-core Xeon with AMX); in `make run` the sampler had been
+13% of a generator rank's time (py-spy). The in-place softmax is taken only inside SGLang's `Sampler.forward`
+(`sampler_hook` marks it), where the logits are overwritten by the softmax anyway: the same function serves
+speculative decoding's draft, whose logits may be read again.
+
+The plugin (`policies/plugin.py`) installs the hooks with $SGLTTS_CPU_SAMPLING=cdf (`sgl_tts/runtime/server.py` sets
+it on every CPU runtime); seeded sampling, a caller that wants the filtered distribution back, and any tensor not on
+the CPU go to SGLang's code unchanged; where the kernel cannot be built the draw runs in torch as above.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from pathlib import Path
 from typing import Any, Callable
 
 TARGET = "sglang.srt.layers.sampler.sampling_from_probs_torch"
 FILTERED_TARGET = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
+SOFTMAX_TARGET = "sglang.srt.layers.sampler.sampler_softmax"
+SAMPLER_TARGET = "sglang.srt.layers.sampler.Sampler.forward"
+KERNEL_SOURCE = Path(__file__).with_name("cpu_sampling.cpp")
 CDF = "cdf"  # the value of $SGLTTS_CPU_SAMPLING that installs it
 FLUSH = "flush"  # the value of $SGLTTS_CPU_DENORMALS that flushes denormals to zero
+_in_sampler = contextvars.ContextVar("sgltts_in_sampler", default=False)  # inside SGLang's Sampler.forward
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_kernel() -> Any:
+    """The compiled draw of KERNEL_SOURCE for this CPU, or None when it cannot be built."""
+    from policies.cpu_attention import build_kernel
+
+    return build_kernel(KERNEL_SOURCE.read_bytes(), KERNEL_SOURCE)
 
 
 def flush_denormals() -> bool:
@@ -66,12 +92,18 @@ def inverse_cdf(probs: Any, uniform: Any) -> Any:
     return token.clamp_(max=probs.shape[-1] - 1).view(-1)  # u rounded up to the total: the last index
 
 
-def sample(probs: Any) -> Any:
-    """One token per row of `probs` [B, V], drawn with probability p_i / sum(p), as int32 [B] (SGLang's)."""
+def sample(probs: Any, rows: Any = None) -> Any:
+    """One token per row of `probs` [B, V] (of the rows listed in `rows`, int64, where given), drawn with
+    probability p_i / sum(p), as int32 (SGLang's): by the kernel on fp32 rows where it is built, else in torch."""
     import torch
 
-    uniform = torch.rand(probs.shape[0], dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
-    return inverse_cdf(probs, uniform).to(torch.int32)
+    count = probs.shape[0] if rows is None else len(rows)
+    kernel = sampling_kernel() if probs.dtype == torch.float32 and probs.stride(-1) == 1 else None
+    if kernel is not None:
+        listed = torch.arange(count) if rows is None else rows
+        return kernel.inverse_cdf_rows(probs, listed, torch.rand(count))
+    uniform = torch.rand(count, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
+    return inverse_cdf(probs if rows is None else probs[rows], uniform).to(torch.int32)
 
 
 def sampling_hook(original: Callable[..., Any], probs: Any, sampling_seed: Any = None, positions: Any = None) -> Any:
@@ -100,7 +132,8 @@ def split_hook(original: Callable[..., Any], probs: Any, top_ks: Any, top_ps: An
     if bool(greedy.any()):
         tokens[greedy] = probs[greedy].argmax(dim=-1).to(torch.int32)
     if bool(plain.any()):
-        tokens[plain] = sample(probs[plain])
+        rows = plain.nonzero().view(-1)
+        tokens[rows] = sample(probs, rows)
     rest = ~(greedy | plain)
     if bool(rest.any()):
         rows = rest.nonzero().view(-1)
@@ -108,3 +141,24 @@ def split_hook(original: Callable[..., Any], probs: Any, top_ks: Any, top_ps: An
                                 None if positions is None else positions[rows],
                                 max_top_k=int(top_ks[rows].max())).to(torch.int32)
     return tokens
+
+
+def sampler_hook(original: Callable[..., Any], sampler: Any, *args: Any, **kwargs: Any) -> Any:
+    """An AROUND hook for SGLang's `Sampler.forward`: marks the call, in which `softmax_hook` writes in place."""
+    mark = _in_sampler.set(True)
+    try:
+        return original(sampler, *args, **kwargs)
+    finally:
+        _in_sampler.reset(mark)
+
+
+def softmax_hook(original: Callable[..., Any], logits: Any, temperatures: Any = None) -> Any:
+    """An AROUND hook for the sampler's `softmax(logits, temperatures)`: inside `Sampler.forward`, which overwrites
+    the logits with it, torch's softmax of contiguous fp32 CPU rows written over them and returned; elsewhere, or
+    with temperatures, SGLang's."""
+    import torch
+
+    if (temperatures is None and _in_sampler.get() and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.dtype == torch.float32 and logits.is_contiguous()):
+        return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+    return original(logits, temperatures)

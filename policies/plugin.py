@@ -133,9 +133,12 @@ def register() -> None:
                      f"{', '.join(name for name, on in kernels.items() if not on)}, which are not installed")
     if sampling == cpu_sampling.CDF:
         switched_on.append(([(cpu_sampling.TARGET, cpu_sampling.sampling_hook, "AROUND"),
-                             (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND")],
+                             (cpu_sampling.FILTERED_TARGET, cpu_sampling.split_hook, "AROUND"),
+                             (cpu_sampling.SAMPLER_TARGET, cpu_sampling.sampler_hook, "AROUND"),
+                             (cpu_sampling.SOFTMAX_TARGET, cpu_sampling.softmax_hook, "AROUND")],
                             f"inverse-CDF sampling installed on {cpu_sampling.TARGET} and, per row, on "
-                            f"{cpu_sampling.FILTERED_TARGET}"))
+                            f"{cpu_sampling.FILTERED_TARGET}; the sampler's softmax in place on "
+                            f"{cpu_sampling.SOFTMAX_TARGET} inside {cpu_sampling.SAMPLER_TARGET}"))
     if (env_names.read(env_names.CPU_DENORMALS) or "").strip() == cpu_sampling.FLUSH:
         # this thread runs the scheduler's forward and sampling; FTZ/DAZ are per thread
         announce(f"denormals {'' if cpu_sampling.flush_denormals() else 'not '}flushed to zero in this thread")

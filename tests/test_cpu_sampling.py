@@ -5,7 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from policies.cpu_sampling import flush_denormals, inverse_cdf, sample, sampling_hook, split_hook  # noqa: E402
+from policies.cpu_sampling import (flush_denormals, inverse_cdf, sample, sampler_hook, sampling_hook,  # noqa: E402
+                                   sampling_kernel, softmax_hook, split_hook)
 
 
 def brute_force_token(row: list[float], u: float) -> int:
@@ -19,24 +20,94 @@ def brute_force_token(row: list[float], u: float) -> int:
     return len(row) - 1
 
 
-def test_inverse_cdf_picks_the_token_a_walk_over_the_row_picks():
+def kernel_draw(probs, uniform):
+    """The compiled draw of every row (policies/cpu_sampling.cpp), on fp32."""
+    if sampling_kernel() is None:
+        pytest.skip("the sampling kernel is not built here")
+    return sampling_kernel().inverse_cdf_rows(probs.float(), torch.arange(len(probs)), uniform.float()).long()
+
+
+DRAWS = {"torch": inverse_cdf, "kernel": kernel_draw}
+
+
+@pytest.mark.parametrize("draw", DRAWS.values(), ids=DRAWS.keys())
+def test_inverse_cdf_picks_the_token_a_walk_over_the_row_picks(draw):
     generator = torch.Generator().manual_seed(0)
-    probs = torch.rand(6, 40, generator=generator, dtype=torch.float64)
+    probs = torch.rand(6, 40, generator=generator, dtype=torch.float64).float().double()  # fp32 values
     probs[probs < 0.3] = 0.0  # tokens of probability zero among the others
     for u in (0.0, 0.01, 0.25, 0.5, 0.77, 0.999999):
         uniform = torch.full((6,), u, dtype=torch.float64)
-        got = inverse_cdf(probs, uniform).tolist()
+        got = draw(probs, uniform).tolist()
         assert got == [brute_force_token(row, u) for row in probs.tolist()]
 
 
-def test_a_token_of_probability_zero_is_never_drawn():
+def test_the_kernel_draws_a_vocabulary_row_as_the_walk_does():
+    """Rows of SmolLM2's vocabulary width (3,072 blocks of 16, the last ones partly zero), listed out of order from
+    a wider tensor, each with its own uniform."""
+    if sampling_kernel() is None:
+        pytest.skip("the sampling kernel is not built here")
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.softmax(torch.randn(5, 49_160, generator=generator) * 3, dim=-1)
+    wide[:, 49_140:] = 0.0
+    probs = wide[:, :49_152]  # rows 49,160 apart
+    rows = torch.tensor([4, 0, 2, 2])
+    uniform = torch.rand(4, generator=generator)
+    got = sampling_kernel().inverse_cdf_rows(probs, rows, uniform)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [brute_force_token(probs[r].double().tolist(), float(u)) for r, u in zip(rows, uniform)]
+
+
+@pytest.mark.parametrize("draw", DRAWS.values(), ids=DRAWS.keys())
+def test_a_token_of_probability_zero_is_never_drawn(draw):
     probs = torch.zeros(4, 1000)
     probs[:, [3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
     probs[1, 0] = 0.0
     uniform = torch.cat([torch.zeros(1), torch.rand(20_000 - 2), torch.full((1,), 1 - 2**-24)])
     rows = probs[torch.arange(20_000) % 4]
-    tokens = inverse_cdf(rows, uniform)
+    tokens = draw(rows, uniform)
     assert set(tokens.unique().tolist()) <= {3, 500, 999}
+
+
+def test_the_kernel_gives_a_row_of_zeros_the_last_token_as_torch_does():
+    probs = torch.zeros(2, 100)
+    probs[1, 7] = 1.0
+    assert kernel_draw(probs, torch.tensor([0.5, 0.5])).tolist() == inverse_cdf(probs, torch.tensor([0.5, 0.5])).tolist() \
+        == [99, 7]
+
+
+def test_the_sampler_softmax_is_written_over_the_logits_inside_the_sampler_only():
+    """Inside Sampler.forward (marked by sampler_hook) the softmax is torch's, written over the logits; elsewhere
+    (speculative decoding's draft calls the same function) and with temperatures it is SGLang's, the logits kept."""
+    calls = []
+
+    def original(logits, temperatures=None):
+        calls.append(temperatures)
+        return torch.softmax(logits if temperatures is None else logits / temperatures, dim=-1)
+
+    logits = torch.randn(3, 50) * 4
+    expected = torch.softmax(logits, dim=-1)
+    kept = logits.clone()
+    assert torch.equal(softmax_hook(original, logits), expected) and torch.equal(logits, kept) and calls == [None]
+
+    def sampler_forward(sampler, logits, temperatures=None):
+        assert sampler == "sampler"
+        return softmax_hook(original, logits, temperatures)
+
+    got = sampler_hook(sampler_forward, "sampler", logits)
+    assert got.data_ptr() == logits.data_ptr() and torch.equal(logits, expected) and calls == [None]
+    temperatures = torch.full((3, 1), 0.5)
+    again = kept.clone()
+    assert torch.equal(sampler_hook(sampler_forward, "sampler", again, temperatures),
+                       torch.softmax(kept / temperatures, dim=-1))
+    assert torch.equal(again, kept) and calls == [None, temperatures]
+
+    def failing(sampler, logits):
+        raise RuntimeError("inside the sampler")
+
+    with pytest.raises(RuntimeError):
+        sampler_hook(failing, "sampler", logits)
+    softmax_hook(original, kept)  # the mark is gone after the sampler's call, even one that raised
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0])

@@ -189,6 +189,7 @@ def test_cpu_hooks_register_on_targets_the_installed_sglang_has(monkeypatch, tmp
                           cpu_layers.NORM_TARGET: ["AROUND"], cpu_layers.ROTARY_TARGET: ["AROUND"],
                           lean_decode.TARGET: ["AROUND"],
                           cpu_sampling.TARGET: ["AROUND"], cpu_sampling.FILTERED_TARGET: ["AROUND"],
+                          cpu_sampling.SAMPLER_TARGET: ["AROUND"], cpu_sampling.SOFTMAX_TARGET: ["AROUND"],
                           search_placement.TARGET: ["AROUND"], step_timing.RUN_BATCH: ["AROUND"],
                           step_timing.MODEL_FORWARD: ["AROUND", "AROUND", "AROUND"]}  # lending, probe margins
     assert probe_readout.TARGET == core_lending.TARGET == step_timing.MODEL_FORWARD

@@ -1,6 +1,6 @@
 """`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
-kernel, the norm and rotary kernels, the products on 4- and 8-bit weights and the compiled decode step);
-idempotent.
+kernel, the norm and rotary kernels, the products on 4- and 8-bit weights, the compiled decode step and the
+sampler's draw); idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -13,6 +13,7 @@ import time
 from policies.cpu_attention import paged_kernel
 from policies.cpu_layers import layer_kernels
 from policies.cpu_linear import grid_kernels
+from policies.cpu_sampling import sampling_kernel
 from policies.lean_decode import step_kernel
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
 from sgl_tts.runtime.models import ModelNotFoundError, provision_smollm2, provision_tiny_random
@@ -32,6 +33,8 @@ def provision() -> None:
     print(f"setup: 4- and 8-bit weight products {grids}", flush=True)
     step = "built" if step_kernel() is not None else "not built: the decode step's loop runs in Python"
     print(f"setup: compiled decode step {step}", flush=True)
+    draw = "built" if sampling_kernel() is not None else "not built: the draw runs in torch"
+    print(f"setup: sampling kernel {draw}", flush=True)
     print(f"setup: ready ({time.monotonic() - began:.1f} s)")
 
 
