@@ -356,6 +356,12 @@ def test_replica_configs_and_the_router_command():
     assert replica_config(gpu, 1).port is None and replica_config(gpu, 1).replicas == 1, "the router takes the port"
     placed = RuntimeConfig(device="cuda", replicas=2, extra_args=["--base-gpu-id", "4"])
     assert replica_config(placed, 1).extra_args == ["--base-gpu-id", "4"]
+    placed_inline = RuntimeConfig(device="cuda", replicas=2, extra_args=["--base-gpu-id=4"])
+    assert replica_config(placed_inline, 1).extra_args == ["--base-gpu-id=4"]
+    for flags in (["--tp-size=4"], ["--tensor-parallel-size", "4"], ["--tp-size", "2", "--tensor-parallel-size=4"]):
+        # the last value of either spelling, as SGLang's parser takes it
+        config = RuntimeConfig(device="cuda", replicas=2, extra_args=flags)
+        assert replica_config(config, 1).extra_args[-2:] == ["--base-gpu-id", "4"], flags
     assert replica_config(RuntimeConfig(replicas=2), 1).extra_args == [], "CPU replicas have no GPU ids"
     routed = RuntimeConfig(replicas=1, remote_workers=["http://10.0.0.2:30000"], router_args=["--policy", "round_robin"])
     assert routed.routed and not RuntimeConfig().routed

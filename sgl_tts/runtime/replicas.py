@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from sgl_tts.runtime.http_client import http_json, request
-from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeDiedError, free_port, spawn_group
+from sgl_tts.runtime.server import Runtime, RuntimeConfig, RuntimeDiedError, flag_value, free_port, spawn_group
 
 ROUTING_POLICY = "cache_aware"
 # Cache-aware routing sends a request where its prefix is cached unless the busiest worker has more than this
@@ -96,9 +96,8 @@ def replica_config(config: RuntimeConfig, index: int) -> RuntimeConfig:
     """The config of local replica `index`: a free port and, on CUDA, its own GPUs (`--base-gpu-id` after the
     previous replicas' `--tp-size` GPUs each) unless the config places them itself."""
     extra = list(config.extra_args)
-    if config.device == "cuda" and "--base-gpu-id" not in extra:
-        tp = next((int(extra[i + 1]) for i, flag in enumerate(extra[:-1])
-                   if flag in ("--tp-size", "--tensor-parallel-size")), 1)
+    if config.device == "cuda" and flag_value(extra, "--base-gpu-id") is None:
+        tp = int(flag_value(extra, "--tp-size", "--tensor-parallel-size") or 1)
         extra += ["--base-gpu-id", str(index * tp)]
     return replace(config, replicas=1, remote_workers=[], router_args=[], port=None, extra_args=extra)
 

@@ -203,13 +203,14 @@ def server_command(config: RuntimeConfig, model_path: str, port: int) -> list[st
     return cmd + list(config.extra_args)
 
 
-def flag_value(args: list[str], flag: str) -> str | None:
-    """The value `args` give `flag` (`--flag value` or `--flag=value`; the last one wins, as in SGLang's parser)."""
+def flag_value(args: list[str], *flags: str) -> str | None:
+    """The value `args` give the flag named by `flags` (its aliases: `--flag value` or `--flag=value`; the last one
+    wins, as in SGLang's parser)."""
     value = None
     for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
+        if arg in flags and i + 1 < len(args):
             value = args[i + 1]
-        elif arg.startswith(flag + "="):
+        elif arg.split("=", 1)[0] in flags and "=" in arg:
             value = arg.split("=", 1)[1]
     return value
 
