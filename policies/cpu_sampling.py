@@ -101,7 +101,7 @@ def sample(probs: Any, rows: Any = None) -> Any:
     kernel = sampling_kernel() if probs.dtype == torch.float32 and probs.stride(-1) == 1 else None
     if kernel is not None:
         listed = torch.arange(count) if rows is None else rows
-        return kernel.inverse_cdf_rows(probs, listed, torch.rand(count))
+        return kernel.inverse_cdf_rows(probs, listed, torch.rand(count, dtype=torch.float32))
     uniform = torch.rand(count, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
     return inverse_cdf(probs if rows is None else probs[rows], uniform).to(torch.int32)
 

@@ -1,4 +1,5 @@
-"""A Llama decode step on the CPU as one loop over the compiled kernels, without SGLang's layer code between them.
+"""A Llama decode step (and extend) on the CPU as one loop over the compiled kernels, without SGLang's layer code
+between them.
 
 SGLang 0.5.23 runs a decode step through its general layer machinery: per decoder layer a stage boundary prepares
 the input and finishes the output (residual bookkeeping, LoRA and transport hooks, quantization reads), the
@@ -19,14 +20,20 @@ step with the same kernels in the order SGLang calls them (28 ms; docs/runtime-s
 Each kernel gets the inputs it got under SGLang's code, so the hidden states are SGLang's (greedy decodes of
 SmolLM2-135M gave logprobs equal to the bit; tests/test_lean_decode.py compares tokens, logprobs and margins).
 
+An extend (prefill) batch is the same loop: each request's new tokens take their rows, rotary their positions and
+the KV write their slots, and the paged kernel attends each to its cached prefix and to the new tokens before it
+(what SGLang's extend calls with the same kernels). Its overhead was most of a short request's prefill: one new token
+of a 62-token prompt 95 -> 76 ms to the answer, of 40 new tokens after a cached prompt 106 -> 95 ms, 16 forks of a
+cached prompt 295 -> 263 ms (2-core Xeon with AMX, docs/runtime-speed.md).
+
 The plugin (`policies/plugin.py`) installs it with $SGLTTS_CPU_DECODE=lean where the kernels it calls are
 installed too (packed linear layers, fused norms and rotary, paged attention; `sgl_tts/runtime/server.py` sets
 all four on every CPU runtime, `env: {SGLTTS_CPU_DECODE: sglang}` keeps SGLang's layer code). It takes a plain
-decode batch of a plain Llama (`LlamaModel` of `LlamaDecoderLayer`s, one tensor-parallel rank, one pipeline stage,
-unquantized fp32 weights, no LoRA, no auxiliary captures, no sliding window); extend batches and anything else go
-to SGLang's forward. A layer whose forward another hook wrapped is taken only when that hook also left the
-capture it needs (`CAPTURE`, a callable(residual, forward_batch); policies/probe_readout.py leaves one), else the
-whole step goes to SGLang.
+decode or extend batch of a plain Llama (`LlamaModel` of `LlamaDecoderLayer`s, one tensor-parallel rank, one
+pipeline stage, unquantized fp32 weights, no LoRA, no auxiliary captures, causal attention without a sliding window);
+mixed and speculative batches and anything else go to SGLang's forward. A layer whose forward another hook wrapped is
+taken only when that hook also left the capture it needs (`CAPTURE`, a callable(residual, forward_batch);
+policies/probe_readout.py leaves one), else the whole step goes to SGLang.
 
 Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
 or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs compiled (`policies/decode_step.cpp`: the
@@ -59,6 +66,7 @@ def find_refusal(model: Any) -> str | None:
     from policies.cpu_layers import layer_kernels, plain_norm, plain_rotary
     from policies.cpu_linear import applies
     from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
 
@@ -85,7 +93,7 @@ def find_refusal(model: Any) -> str | None:
         if not plain_rotary(attention.rotary_emb):
             return f"a {type(attention.rotary_emb).__name__} rotary embedding"
         attn = attention.attn
-        if (attn.is_cross_attention or attn.qk_head_dim != attn.v_head_dim
+        if (attn.is_cross_attention or attn.qk_head_dim != attn.v_head_dim or attn.attn_type != AttentionType.DECODER
                 or (attn.sliding_window_size is not None and attn.sliding_window_size > -1)):
             return "an attention that is not plain causal self-attention"
     if type(model.norm) is not RMSNorm or not plain_norm(model.norm):
@@ -112,12 +120,14 @@ def captures(model: Any) -> list[Callable[..., Any] | None] | None:
 
 
 def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_proxy_tensors: Any) -> bool:
-    """Whether this call is a plain decode batch of a model the lean step computes, on the paged kernel."""
+    """Whether this call is a plain decode or extend batch of a model the lean step computes, on the paged
+    kernel."""
     from policies.cpu_attention import kernel_takes
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
-    if (not forward_batch.forward_mode.is_decode() or input_embeds is not None or pp_proxy_tensors is not None
+    if (not (forward_batch.forward_mode.is_decode() or plain_extend(forward_batch)) or input_embeds is not None
+            or pp_proxy_tensors is not None
             or model.layers_to_capture or input_ids.device.type != "cpu" or refusal(model) is not None):
         return False
     backend = get_attn_backend()
@@ -127,6 +137,14 @@ def takes(model: Any, input_ids: Any, forward_batch: Any, input_embeds: Any, pp_
     query = input_ids.new_empty((0, attn.tp_q_head_num, attn.qk_head_dim), dtype=model.norm.weight.dtype)
     return kernel_takes(query, query, pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id),
                         req_to_token=backend.req_to_token_pool.req_to_token)
+
+
+def plain_extend(forward_batch: Any) -> bool:
+    """Whether `forward_batch` is a plain extend (prefill) batch: each request's new tokens after its cached
+    prefix, no decode rows mixed in, no speculative verification."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return forward_batch.forward_mode == ForwardMode.EXTEND and forward_batch.extend_seq_lens is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,7 +208,7 @@ def compiled_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
 
 def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any, layer_captures: list[Any],
                  bf16: bool, grids: bool = False) -> Any:
-    """The decode step of `model` (the module docstring's loop): the final norm's output [batch, hidden]."""
+    """The decode step or extend of `model` (the module docstring's loop): the final norm's output [tokens, hidden]."""
     import torch
 
     from policies.cpu_attention import paged_kernel
@@ -204,7 +222,7 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
     pool, req_to_token = backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token
     write_loc = KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc)
     req_pool_indices, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-    one_token_each = torch.ones_like(seq_lens)
+    new_tokens = torch.ones_like(seq_lens) if forward_batch.forward_mode.is_decode() else forward_batch.extend_seq_lens
     positions = positions.flatten().contiguous()
 
     hidden = model.embed_tokens(input_ids)
@@ -228,7 +246,7 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
         q = q.view(-1, attn.tp_q_head_num, attn.qk_head_dim)
         out = torch.empty_like(q)
         attend(q, out, pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id), req_to_token,
-               req_pool_indices, seq_lens, one_token_each, float(attn.scaling))
+               req_pool_indices, seq_lens, new_tokens, float(attn.scaling))
         hidden = dense_linear(out.view(len(q), -1), attention.o_proj, attention.o_proj.bias, bf16, grids)
         norm = layer.post_attention_layernorm
         x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
@@ -274,7 +292,7 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
             if refusal(model) is not None:
                 tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        if compiled and grids:
+        if compiled and grids and forward_batch.forward_mode.is_decode():
             from sglang.srt.model_executor.forward_context import get_attn_backend
 
             backend = get_attn_backend()
@@ -283,7 +301,8 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
                 tell(f"lean decode took a compiled step ({len(model.layers)} layers)")
                 return compiled_forward(step[0], model, input_ids, positions, forward_batch, layer_captures,
                                         backend.req_to_token_pool.req_to_token)
-        tell(f"lean decode took a step ({len(model.layers)} layers)")
+        tell(f"lean decode took {'a step' if forward_batch.forward_mode.is_decode() else 'an extend'} "
+             f"({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 
     return forward

@@ -1,5 +1,6 @@
 """The lean decode step (policies/lean_decode.py) against SGLang's own layer code on the same kernels: the same
-tokens, logprobs and probe margins from a batch of sequences of different lengths, and what it leaves to SGLang."""
+tokens, logprobs and probe margins from a batch of sequences of different lengths (their prompts' extends and the
+margins' reads through the lean loop too), and what it leaves to SGLang."""
 
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -51,7 +52,9 @@ def test_the_lean_step_decodes_and_records_margins_as_sglangs_layers_do(tiny_run
                             for ids, answer in zip(PROMPTS, expected)]
         assert "lean decode" not in sglang_runtime.log_path.read_text()
     got = decode_all(tiny_runtime.url, PROMPTS)
-    assert "lean decode took a step (2 layers)" in tiny_runtime.log_path.read_text()
+    log = tiny_runtime.log_path.read_text()
+    assert "lean decode took a step (2 layers)" in log
+    assert "lean decode took an extend (2 layers)" in log  # the prompts, and the margins' reads below
     for ids, answer, reference, reference_margins in zip(PROMPTS, got, expected, expected_margins):
         assert answer["output_ids"] == reference["output_ids"]
         logprobs = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
