@@ -16,12 +16,14 @@ idle
     threads  =  own threads x (1 + number of idle ranks)                  (each rank owns its share of the cores)
 
 and runs the forward on that many torch threads, then returns to its own (sampling, after the forward, runs in
-the scheduler's thread alone, whose denormals are flushed: `policies/cpu_sampling.py`). Only decode steps borrow: a
-prefill is one long forward, often of requests that arrived together, when the other rank's own are a moment
-behind, and both would then run on three threads for its whole length. A rank that has not yet run a forward
-counts as busy, so a board that is not shared (a rank that was not forked from the process that made it) lends
-nothing. When an idle rank gets a request, the borrower sees it at its next forward: at most one decode step runs
-with a thread more than there are cores.
+the scheduler's thread alone, whose denormals are flushed: `policies/cpu_sampling.py`). Decode steps borrow, and
+extends of at most SHORT_EXTEND new tokens (a step's text after its cached path, a verifier's read, a batch of
+forks: tens of milliseconds each, the extends of a search running alone); a prompt's prefill does not: it is one long
+forward, often of requests that arrived together, when the other rank's own are a moment behind, and both would then
+run on three threads for its whole length. A rank that has not yet run a forward counts as busy, so a board that is
+not shared (a rank that was not forked from the process that made it) lends nothing. When an idle rank gets a
+request, the borrower sees it at its next forward: at most one step or short extend runs with a thread more than
+there are cores.
 
 The board sees only the ranks of one runtime, not another busy process on the machine (a verifier runtime of its
 own, a control loop, a test run). A borrowed step then has a thread on a core that process holds, and each of the
@@ -55,6 +57,7 @@ ALWAYS = "always"  # installs it without the watch on the other processes
 BUSY_OTHERS = 0.5  # cores the other processes may keep busy while a rank borrows
 WATCH_S = 0.25  # the least wall time over which their CPU use is measured (the kernel counts it in 10 ms ticks)
 IDLE_AFTER_S = 0.1  # a busy rank's forwards follow each other within milliseconds; this is an idle rank
+SHORT_EXTEND = 64  # the most new tokens of an extend that borrows: a step's text, a verifier's read, a batch of forks
 SLOTS = 64  # ranks a board holds
 SLOT = struct.Struct("=ddd")  # pid (0: never ran a forward), in a forward (0/1), when the last forward ended
 
@@ -127,11 +130,17 @@ class OthersWatch:
         return self.value
 
 
-def decodes(args: tuple, kwargs: dict) -> bool:
-    """Whether `ModelRunner.forward(forward_batch, ...)` runs a decode step (not a prefill)."""
+def borrows(args: tuple, kwargs: dict) -> bool:
+    """Whether `ModelRunner.forward(forward_batch, ...)` may borrow: a decode step, or an extend of at most
+    SHORT_EXTEND tokens (not a prompt's prefill)."""
     batch = args[0] if args else kwargs.get("forward_batch")
     mode = getattr(batch, "forward_mode", None)
-    return mode is not None and bool(mode.is_decode())
+    if mode is None:
+        return False
+    if mode.is_decode():
+        return True
+    tokens = getattr(batch, "extend_num_tokens", None)
+    return bool(mode.is_extend()) and tokens is not None and tokens <= SHORT_EXTEND
 
 
 class CoreLending:
@@ -163,7 +172,7 @@ class CoreLending:
             return original(runner, *args, **kwargs)
         get_threads, set_threads = self.threads()
         own = get_threads()
-        lent = idle_ranks(self.board.read(), rank, self.clock()) if decodes(args, kwargs) else 0
+        lent = idle_ranks(self.board.read(), rank, self.clock()) if borrows(args, kwargs) else 0
         if lent and self.watch is not None and (self.watch.cores() or 0.0) >= BUSY_OTHERS:
             lent = 0
         self.board.write(rank, pid, True, 0.0)

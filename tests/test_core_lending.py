@@ -31,10 +31,14 @@ class Mode:
     def is_decode(self) -> bool:
         return self.decode
 
+    def is_extend(self) -> bool:
+        return not self.decode
+
 
 class Batch:
-    def __init__(self, decode: bool = True) -> None:
+    def __init__(self, decode: bool = True, extend_num_tokens: int | None = None) -> None:
         self.forward_mode = Mode(decode)
+        self.extend_num_tokens = extend_num_tokens
 
 
 class FakeThreads:
@@ -77,12 +81,14 @@ def test_a_decode_step_runs_on_the_idle_ranks_cores_and_returns_to_its_own_after
     board.write(2, 1235, False, 40.0)
     rank0.forward(forward, None, step)
     assert seen[-1] == (3, 1.0)
-    rank0.forward(forward, None, Batch(decode=False))  # a prefill borrows nothing
-    assert seen[-1] == (1, 1.0)
+    rank0.forward(forward, None, Batch(decode=False, extend_num_tokens=core_lending.SHORT_EXTEND + 1))
+    assert seen[-1] == (1, 1.0)  # a prompt's prefill borrows nothing
+    rank0.forward(forward, None, Batch(decode=False, extend_num_tokens=core_lending.SHORT_EXTEND))
+    assert seen[-1] == (3, 1.0)  # a short extend (a step's text, a verifier's read, forks) borrows
     board.write(1, 1234, True, 0.0)
     board.write(2, 1235, True, 0.0)
     rank0.forward(forward, None, step)
-    assert seen[-1] == (1, 1.0) and threads.history == [2, 1, 3, 1]  # both busy: its own core only
+    assert seen[-1] == (1, 1.0) and threads.history == [2, 1, 3, 1, 3, 1]  # both busy: its own core only
 
 
 def test_a_rank_of_two_threads_borrows_the_idle_ranks_two():
