@@ -1,4 +1,5 @@
-"""An idle rank lends its core to a working one: a decode step runs on its rank's core and on its idle peers'.
+"""An idle rank lends its core to a working one: a decode step (or a short extend) runs on its rank's core and on its
+idle peers'.
 
 A CPU session's generator runs one single-threaded SGLang rank per core (`share_cpu_cores`): with many requests
 every rank decodes, each on its core, and no thread waits at a barrier for a core another process holds. With one
