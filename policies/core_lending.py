@@ -18,13 +18,13 @@ idle
 
 and runs the forward on that many torch threads, then returns to its own (sampling, after the forward, runs in
 the scheduler's thread alone, whose denormals are flushed: `policies/cpu_sampling.py`). Decode steps borrow, and
-extends of at most SHORT_EXTEND new tokens (a step's text after its cached path, a verifier's read, a batch of
-forks: tens of milliseconds each, the extends of a search running alone); a prompt's prefill does not: it is one long
-forward, often of requests that arrived together, when the other rank's own are a moment behind, and both would then
-run on three threads for its whole length. A rank that has not yet run a forward counts as busy, so a board that is
-not shared (a rank that was not forked from the process that made it) lends nothing. When an idle rank gets a
-request, the borrower sees it at its next forward: at most one step or short extend runs with a thread more than
-there are cores.
+extends of at most SHORT_EXTEND new tokens in all (a step's text after its cached path, a verifier's read, a batch of
+forks, one short prompt: tens of milliseconds each, the extends of a search running alone); a longer prefill does
+not: it is one long forward, often of requests that arrived together, when the other rank's own are a moment behind,
+and both would then run on three threads for its whole length. A rank that has not yet run a forward counts as
+busy, so a board that is not shared (a rank that was not forked from the process that made it) lends nothing. When
+an idle rank gets a request, the borrower sees it at its next forward: at most one step or short extend runs with a
+thread more than there are cores.
 
 The board sees only the ranks of one runtime, not another busy process on the machine (a verifier runtime of its
 own, a control loop, a test run). A borrowed step then has a thread on a core that process holds, and each of the
@@ -133,7 +133,7 @@ class OthersWatch:
 
 def borrows(args: tuple, kwargs: dict) -> bool:
     """Whether `ModelRunner.forward(forward_batch, ...)` may borrow: a decode step, or an extend of at most
-    SHORT_EXTEND tokens (not a prompt's prefill)."""
+    SHORT_EXTEND new tokens in all (not a longer prefill)."""
     batch = args[0] if args else kwargs.get("forward_batch")
     mode = getattr(batch, "forward_mode", None)
     if mode is None:

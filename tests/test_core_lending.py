@@ -82,7 +82,7 @@ def test_a_decode_step_runs_on_the_idle_ranks_cores_and_returns_to_its_own_after
     rank0.forward(forward, None, step)
     assert seen[-1] == (3, 1.0)
     rank0.forward(forward, None, Batch(decode=False, extend_num_tokens=core_lending.SHORT_EXTEND + 1))
-    assert seen[-1] == (1, 1.0)  # a prompt's prefill borrows nothing
+    assert seen[-1] == (1, 1.0)  # a longer prefill borrows nothing
     rank0.forward(forward, None, Batch(decode=False, extend_num_tokens=core_lending.SHORT_EXTEND))
     assert seen[-1] == (3, 1.0)  # a short extend (a step's text, a verifier's read, forks) borrows
     board.write(1, 1234, True, 0.0)
