@@ -36,7 +36,7 @@ import numpy as np
 from sgl_tts.runtime.roofline import (BUILTIN_CONFIGS, DTYPE_BYTES, HUB_IDS, Allocation, ModelSpec, StepCosts,
                                       Workload, _roofline_terms, best_upto, load_model_spec, search_offload,
                                       search_shared, search_static)
-from sgl_tts.runtime.server import RuntimeConfig, kv_pool_dtype
+from sgl_tts.runtime.server import KV_CACHE_DTYPES, RuntimeConfig, kv_pool_dtype
 
 DEVICE_UTILIZATION = 0.9
 MIB = 2**20
@@ -343,10 +343,6 @@ class KVSplitError(ValueError):
         self.argument = argument
 
 
-# SGLang's --kv-cache-dtype values, in bytes an element (its 4-bit ones left out: the weights' dtype, too many)
-KV_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1}
-
-
 def model_spec_for(config: RuntimeConfig) -> ModelSpec:
     """The roofline's view of a runtime's model, in the dtypes the runtime will use: its weights' (fp32 on CPU) and
     its KV pool's (`kv_pool_dtype`: bf16 on a CPU with the paged kernel)."""
@@ -357,7 +353,7 @@ def model_spec_for(config: RuntimeConfig) -> ModelSpec:
     known = config.model in BUILTIN_CONFIGS or config.model in HUB_IDS
     source = config.model if known else resolve_model(config.model)
     spec = load_model_spec(source, dtype)
-    return replace(spec, kv_dtype_bytes=KV_DTYPE_BYTES.get(kv_pool_dtype(config) or ""))
+    return replace(spec, kv_dtype_bytes=KV_CACHE_DTYPES.get(kv_pool_dtype(config) or ""))
 
 
 def longest_request_tokens(prompt_tokens: int, max_tokens: int, max_step_tokens: int) -> int:

@@ -56,7 +56,10 @@ class PortTakenError(RuntimeStartError):
 
 
 PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's message, in the server's log
-KV_CACHE_DTYPES = ("bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16")  # SGLang 0.5.23's
+# SGLang 0.5.23's --kv-cache-dtype values and the bytes of an element (its 4-bit ones: None, and the memory plan counts
+# the weights' dtype for them)
+KV_CACHE_DTYPES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1, "nvfp4": None,
+                   "fp4_mx_block16": None}
 START_ATTEMPTS = 3  # starts on a fresh free port after PortTakenError (not for a port the config fixes)
 
 
