@@ -49,6 +49,7 @@ VALUES = (BATCHED, PAGED)
 KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}  # torch's CPU capability -> the kernel's -march
 VNNI = "avx512_vnni"  # the /proc/cpuinfo flag of AVX-512's integer dot products: kernels built with them too
+AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tile products: policies/amx_linear.cpp uses them
 
 
 def batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -112,6 +113,9 @@ def build_kernel(text: bytes, source_file: Path = KERNEL_SOURCE, threads: bool =
     if level == "AVX512" and VNNI in cpu_flags():  # x86-64-v4 leaves out VNNI's dot products (grid_linear.cpp)
         flags.append("-mavx512vnni")
         level += "_VNNI"
+    if level.startswith("AVX512") and AMX_BF16 in cpu_flags():  # AMX's products (policies/amx_linear.cpp)
+        flags.append("-DSGLTTS_AMX")
+        level += "_AMX"
     # at::parallel_for splits its range over torch's OpenMP threads only in code compiled with OpenMP (the library
     # it links is the one torch loaded); without it a call runs on the calling thread.
     openmp = ["-fopenmp"] if threads else []

@@ -41,7 +41,20 @@ to bf16; oneDNN sums in fp32 and rounds the result to bf16:
     y = float(bf16(bf16(x) bf16(W)^T)) + b    three roundings of <= 2^-8 each; ~4e-3 relative on SmolLM2's head
 
 The model's state between layers (residual stream, norms, attention, KV cache) stays fp32, as does a live-rows
-head. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX: 39 -> 21 ms at 16 rows, 82 -> 57
+head.
+
+Where the project's AMX product is built (`policies/amx_linear.cpp`, on a CPU that lists amx_bf16) the decoder
+layers' bf16 products call AMX's tiles directly instead: the weight rounded to bf16 once and laid out in tiles
+(`amx_tiles`), x rounded to bf16 into a buffer of whole tiles, and the tiles' fp32 sums are y, not rounded again:
+
+    y = sum_k bf16(x_k) bf16(W_k)   in fp32, + b     two roundings of <= 2^-8 each
+
+without oneDNN's per-call primitive lookup, torch's conversions of x and y and their allocations. One decode step's
+120 decoder products of SmolLM2-135M (`scripts/bench_linear_bf16.py`, one thread, as a busy rank runs; 2-core Xeon
+with AMX, 2026-12-06): 50.2 and 48.5 ms at 128 rows against oneDNN's 68.3 and 63.4, 52.7 against 63.5 at 64, level
+at 33 (37.2 and 49.6 against 36.4 and 55.3: a 33rd row costs a second block of 32). The LM head keeps oneDNN's copy:
+with its fp32 result (25 MB at 128 rows of 49,152) the tiles took 0.6-1.3x oneDNN's time over four runs, not
+separated. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX: 39 -> 21 ms at 16 rows, 82 -> 57
 ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
 `sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
 
@@ -117,8 +130,11 @@ GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 32, 8: 24}}
 GRID_ROWS_X16 = {True: 32, False: 64}
 GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
 GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
+AMX_KERNEL_SOURCE = Path(__file__).with_name("amx_linear.cpp")
+AMX_TILE_ROWS, AMX_TILE_DEPTH = 16, 32  # outputs and K of one AMX weight tile (policies/amx_linear.cpp)
 _CACHE = "_sgltts_packed_weight"  # module attribute: (the weight's identity, its packed copy)
 _BF16_CACHE = "_sgltts_packed_bf16_weight"  # module attribute: (the weight's identity, its packed bf16 copy)
+_AMX_CACHE = "_sgltts_amx_weight"  # module attribute: (the weight's identity, its AMX tiles or None)
 _GRID_CACHE = "_sgltts_grid_weight"  # module attribute: (the weight's identity, its 4- or 8-bit tiles or None)
 _ROWS_CACHE = "_sgltts_live_rows"  # module attribute: (the weight's identity, (live rows, their weights) or None)
 SPARSE_HEAD_SHARE = 1 / 64  # at most this share of a head's rows live: computed on those rows alone
@@ -356,6 +372,45 @@ def packed_linear(x: Any, packed: Any, bias: Any = None) -> Any:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+@functools.lru_cache(maxsize=None)
+def amx_kernels() -> Any:
+    """The compiled product of AMX_KERNEL_SOURCE (threaded), or None where it is not built with AMX or this
+    process may not use the tiles."""
+    from policies.cpu_attention import build_kernel
+
+    kernels = build_kernel(AMX_KERNEL_SOURCE.read_bytes(), AMX_KERNEL_SOURCE, threads=True)
+    return kernels if kernels is not None and kernels.usable() else None
+
+
+def amx_tiles(weight: Any) -> Any:
+    """`weight` [N, K] rounded to bf16 (nearest, ties to even) in AMX's tile layout, bf16 [N / 16, K / 32, 16, 32]:
+    [t, g, p, 2l + j] = W[16t + l, 32g + 2p + j] (policies/amx_linear.cpp); None where N or K does not fill whole
+    tiles."""
+    rows, columns = weight.shape
+    if rows % AMX_TILE_ROWS or columns % AMX_TILE_DEPTH:
+        return None
+    tiles = weight.bfloat16().reshape(rows // AMX_TILE_ROWS, AMX_TILE_ROWS, columns // AMX_TILE_DEPTH,
+                                      AMX_TILE_DEPTH // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(rows // AMX_TILE_ROWS, columns // AMX_TILE_DEPTH, AMX_TILE_ROWS,
+                                                AMX_TILE_DEPTH).contiguous()
+
+
+def amx_weight(module: Any) -> Any:
+    """`module.weight`'s AMX tiles (`amx_tiles`) where the AMX product is built and usable, else None; made once per
+    weight, and again after it changed."""
+    if amx_kernels() is None:
+        return None
+    return per_weight(module, _AMX_CACHE, amx_tiles)
+
+
+def amx_linear(x: Any, tiles: Any, bias: Any = None) -> Any:
+    """fp32 x [..., K] rounded to bf16, times the bf16 weight of `tiles` (`amx_tiles`) transposed, summed and
+    returned in fp32, plus bias."""
+    out = amx_kernels().amx_linear(x.reshape(-1, x.shape[-1]).contiguous(), tiles)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
 def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
     """fp32 x [..., K] rounded to bf16, times the packed bf16 weight [N, K] transposed (a bf16 result), in fp32,
     plus bias."""
@@ -363,9 +418,11 @@ def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
     return out if bias is None else out + bias
 
 
-def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grids: bool = False) -> Any:
-    """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its packed bf16 one; with
-    `grids`, a product of at most `most_grid_rows` rows from the weight's 4- or 8-bit grid where it has one."""
+def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grids: bool = False,
+                 on_amx: bool = True) -> Any:
+    """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its AMX tiles where
+    `on_amx` and the AMX product is usable, else its packed bf16 copy; with `grids`, a product of at most
+    `most_grid_rows` rows from the weight's 4- or 8-bit grid where it has one."""
     if grids:
         tiles = grid_weight(module)  # found on the first call, whatever its rows
         rows = x.numel() // x.shape[-1]
@@ -373,6 +430,9 @@ def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grid
             told_grid_read(rows, module)
             return grid_linear(x, tiles, bias)
     if bf16:
+        amx = amx_weight(module) if on_amx else None
+        if amx is not None:
+            return amx_linear(x, amx, bias)
         return bf16_packed_linear(x, packed_bf16_weight(module), bias)
     return packed_linear(x, packed_weight(module), bias)
 
@@ -411,7 +471,7 @@ def lm_head_hook(original: Callable[..., Any], processor: Any, hidden_states: An
         _sparse_head[:] = [sparse[0], lm_head.weight.shape[0]]
         return sparse_rows_linear(hidden_states, *sparse, lm_head.weight.shape[0])
     _sparse_head.clear()
-    return dense_linear(hidden_states, lm_head, bf16=bf16, grids=grids)
+    return dense_linear(hidden_states, lm_head, bf16=bf16, grids=grids, on_amx=False)
 
 
 def sparse_row_log_normalizer(logits: Any, rows: Any) -> tuple[Any, Any]:

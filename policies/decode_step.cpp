@@ -7,10 +7,14 @@
 // K and V copied to their pool slots, the products into their outputs (grid_product), attention over the pool
 // (attend_cached), silu(gate) * up as two ATen calls on views (torch's own arithmetic for them).
 //
-// policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp and
-// policies/grid_linear.cpp in one translation unit (their modules left out by SGLTTS_ONE_UNIT), with OpenMP: the
-// row functions are theirs, in the Python loop's order, on the same inputs, so one sequence at a time the tiny
-// model's logprobs are the Python loop's to the bit (tests/test_lean_decode.py).
+// Above `grid_rows` rows (a search's 128-row batches) each product runs on its AMX tiles where the step was given
+// them (policies/amx_linear.cpp, the decoder layers' bf16 product of the Python loop too), so a step of any size is
+// one call on a CPU with AMX.
+//
+// policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp,
+// policies/grid_linear.cpp and policies/amx_linear.cpp in one translation unit (their modules left out by
+// SGLTTS_ONE_UNIT), with OpenMP: the row functions are theirs, in the Python loop's order, on the same inputs, so
+// one sequence at a time the tiny model's logprobs are the Python loop's to the bit (tests/test_lean_decode.py).
 
 #include <pybind11/functional.h>
 
@@ -19,13 +23,17 @@
 
 namespace {
 
-// y = x W^T (+ bias) for a weight kept on its grid (cpu_linear.grid_tiles), into y's rows.
+// y = x W^T (+ bias) for a weight kept on its grid (cpu_linear.grid_tiles), into y's rows; above `grid_rows` rows
+// from its AMX tiles (cpu_linear.amx_tiles) where it has them.
 struct GridProduct {
   torch::Tensor packed, scales, bias;  // bias: undefined when the layer has none
   int64_t bits, columns, outputs;
+  torch::Tensor amx;  // undefined: the grid at every row count
 
-  void operator()(const float* x, int64_t rows, float* y) const {
-    if (bits == 4) {
+  void operator()(const float* x, int64_t rows, float* y, int64_t grid_rows) const {
+    if (amx.defined() && rows > grid_rows) {
+      amx_into(x, rows, columns, amx, y);
+    } else if (bits == 4) {
       grid_product<4>(x, rows, columns, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), packed.size(0), y);
     } else {
       grid_product<8>(x, rows, columns, packed.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), packed.size(0), y);
@@ -39,7 +47,7 @@ struct GridProduct {
 };
 
 GridProduct grid_product_of(torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias,
-                            int64_t columns) {
+                            std::optional<torch::Tensor> amx, int64_t columns) {
   const int64_t bits = scales.dim() == 4 ? 4 : 8;  // the 4-bit grid keeps d and m a group, the 8-bit one d
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kHalf &&
                   columns % kGroup == 0 && scales.size(1) == columns / kGroup,
@@ -49,7 +57,12 @@ GridProduct grid_product_of(torch::Tensor packed, torch::Tensor scales, std::opt
   auto b = bias.value_or(torch::Tensor());
   TORCH_CHECK(!b.defined() || (b.scalar_type() == torch::kFloat && b.is_contiguous() && b.numel() == outputs),
               "a bias: float32 [N]");
-  return GridProduct{std::move(packed), std::move(scales), b, bits, columns, outputs};
+  auto tiles = amx.value_or(torch::Tensor());
+  if (tiles.defined()) {
+    check_amx_weight(tiles, columns);
+    TORCH_CHECK(amx_usable() && tiles.size(0) * kTileRows == outputs, "AMX tiles of the grid's weight, on AMX");
+  }
+  return GridProduct{std::move(packed), std::move(scales), b, bits, columns, outputs, std::move(tiles)};
 }
 
 struct Layer {
@@ -102,10 +115,11 @@ class DecodeStep {
   // embedding and its KV pool buffers.
   void add_layer(torch::Tensor norm_in, double eps_in, torch::Tensor norm_post, double eps_post,
                  std::vector<torch::Tensor> packed, std::vector<torch::Tensor> scales,
-                 std::vector<std::optional<torch::Tensor>> biases, std::vector<torch::Tensor> weights,
+                 std::vector<std::optional<torch::Tensor>> biases, std::vector<std::optional<torch::Tensor>> amx,
+                 std::vector<torch::Tensor> weights,
                  torch::Tensor cos_sin_cache, int64_t head_size, bool neox, torch::Tensor k_cache,
                  torch::Tensor v_cache, int64_t q_heads, int64_t kv_heads, int64_t head_dim, double scaling) {
-    TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && biases.size() == 4,
+    TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && biases.size() == 4 && amx.size() == 4,
                 "a layer has four products: qkv, o, gate_up, down");
     TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.dim() == 3 && k_cache.stride(2) == 1 &&
                     k_cache.stride(1) == head_dim && v_cache.stride(1) == head_dim && k_cache.size(1) == kv_heads &&
@@ -118,10 +132,10 @@ class DecodeStep {
                     cos_sin_cache.size(1) <= head_size && head_size == head_dim,
                 "cos_sin_cache: float32 [max_position, rotary_dim], rotary_dim even and at most head_dim");
     const int64_t hidden = norm_in.size(0), q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
-    auto qkv = grid_product_of(packed[0], scales[0], biases[0], hidden);
-    auto o = grid_product_of(packed[1], scales[1], biases[1], q_size);
-    auto gate_up = grid_product_of(packed[2], scales[2], biases[2], hidden);
-    auto down = grid_product_of(packed[3], scales[3], biases[3], gate_up.outputs / 2);
+    auto qkv = grid_product_of(packed[0], scales[0], biases[0], amx[0], hidden);
+    auto o = grid_product_of(packed[1], scales[1], biases[1], amx[1], q_size);
+    auto gate_up = grid_product_of(packed[2], scales[2], biases[2], amx[2], hidden);
+    auto down = grid_product_of(packed[3], scales[3], biases[3], amx[3], gate_up.outputs / 2);
     TORCH_CHECK(qkv.outputs == q_size + 2 * kv_size && o.outputs == hidden && down.outputs == hidden &&
                     gate_up.outputs % 2 == 0 && q_heads % kv_heads == 0,
                 "the products' shapes: qkv [q + 2 kv, H], o [H, q], gate_up [2 I, H], down [H, I]");
@@ -152,7 +166,7 @@ class DecodeStep {
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& positions, const torch::Tensor& out_cache_loc,
                         const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
                         const torch::Tensor& seq_lens, const std::vector<int64_t>& capture_layers,
-                        const std::function<void(int64_t, torch::Tensor)>& capture) const {
+                        const std::function<void(int64_t, torch::Tensor)>& capture, int64_t grid_rows) const {
     TORCH_CHECK(!layers_.empty(), "a step without layers");
     const Layer& first = layers_[0];
     const int64_t rows = hidden.size(0), width = first.norm_in.size(0);
@@ -201,7 +215,7 @@ class DecodeStep {
       if (std::find(capture_layers.begin(), capture_layers.end(), index) != capture_layers.end()) {
         capture(index, residual.clone());  // pybind11's wrapper of a Python callable takes the lock for the call
       }
-      layer.qkv(x_, rows, qkv_);
+      layer.qkv(x_, rows, qkv_, grid_rows);
       const int64_t rotary_dim = layer.cos_sin_cache.size(1);
       const float* angles = layer.cos_sin_cache.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {  // q and k rotated in place (rotate_head reads a pair, then writes it)
@@ -218,16 +232,16 @@ class DecodeStep {
                     req_to_token.stride(0), pools.data_ptr<int64_t>(), sequence_of, position_of, rows,
                     layer.q_heads / layer.kv_heads, layer.head_dim, qkv_width, layer.head_dim, q_size,
                     layer.head_dim, layer.scaling);
-      layer.o(att_, rows, h_);
+      layer.o(att_, rows, h_, grid_rows);
       for (int64_t r = 0; r < rows; ++r) {  // x = norm_post(h + r), r = h + r
         float* row = r_ + r * width;
         add_row(h_ + r * width, row, width);
         rms_norm_row(row, layer.norm_post.data_ptr<float>(), x_ + r * width, width, layer.eps_post);
       }
-      layer.gate_up(x_, rows, gate_up.data_ptr<float>());
+      layer.gate_up(x_, rows, gate_up.data_ptr<float>(), grid_rows);
       at::silu_out(activated, gate);
       activated.mul_(up);
-      layer.down(activated.data_ptr<float>(), rows, h_);
+      layer.down(activated.data_ptr<float>(), rows, h_, grid_rows);
     }
     auto out = torch::empty({rows, width}, options);
     for (int64_t r = 0; r < rows; ++r) {

@@ -37,13 +37,17 @@ policies/probe_readout.py leaves one), else the whole step goes to SGLang.
 
 Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
 or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs compiled (`policies/decode_step.cpp`: the
-same kernel calls in C++, one Python call a step and one a capture), else in Python;
+same kernel calls in C++, one Python call a step and one a capture); with `packed-bf16-int4` on a CPU with AMX it
+runs compiled at any rows, the products above the grids' rows on their AMX tiles (`cpu_linear.amx_linear`, as the
+Python loop computes them); else in Python;
 $SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,8 +57,8 @@ LEAN_PYTHON = "lean-python"  # the value that installs it with the loop in Pytho
 VALUES = (LEAN, LEAN_PYTHON)
 # The compiled step: policies/decode_step.cpp after the kernels whose functions it calls, in one translation unit.
 STEP_SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_layers.cpp", "paged_attention.cpp", "grid_linear.cpp", "decode_step.cpp"))
-_STEP = "_sgltts_compiled_step"  # model attribute: (identity, (DecodeStep, the most rows it computes) or None)
+    "cpu_layers.cpp", "paged_attention.cpp", "grid_linear.cpp", "amx_linear.cpp", "decode_step.cpp"))
+_STEP = "_sgltts_compiled_step"  # model attribute: (identity, a CompiledStep or None)
 CAPTURE = "_sgltts_residual_capture"  # a decoder layer's attribute: called with the residual at the layer's entry
 _REFUSAL = "_sgltts_lean_refusal"  # model attribute: why the lean step does not compute the model (None: it does)
 
@@ -162,13 +166,22 @@ def projections(layer: Any) -> tuple[Any, Any, Any, Any]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
-    """(`model`'s compiled step over the KV buffers of `pool`, the most rows at which every projection reads its
-    grid), or None where a projection has no grid, the pool is not a plain fp32 or bf16 one, or the kernel is not
-    built."""
+@dataclass(frozen=True)
+class CompiledStep:
+    """A model's compiled step (`DecodeStep`): its products read their grids at up to `grid_rows` rows, and above
+    that their AMX tiles where every projection has them (`most_rows` unbounded), else the step is not taken."""
+
+    step: Any
+    grid_rows: int
+    most_rows: int
+
+
+def build_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:
+    """`model`'s compiled step over the KV buffers of `pool`, or None where a projection has no grid, the pool is
+    not a plain fp32 or bf16 one, or the kernel is not built."""
     import torch
 
-    from policies.cpu_linear import grid_bits, grid_weight, most_grid_rows
+    from policies.cpu_linear import amx_weight, grid_bits, grid_weight, most_grid_rows
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     kernel = step_kernel()
@@ -176,31 +189,34 @@ def build_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
             or pool.store_dtype != pool.dtype or pool.dtype not in (torch.float32, torch.bfloat16)):
         return None
     step, rows = kernel.DecodeStep(model.norm.weight, model.norm.variance_epsilon), []
+    every_amx = bf16
     for layer in model.layers:
         linears = projections(layer)
         tiles = [grid_weight(linear) for linear in linears]
         if any(tile is None for tile in tiles):
             return None
         rows += [most_grid_rows(bf16, grid_bits(tile)) for tile in tiles]
+        amx = [amx_weight(linear) if bf16 else None for linear in linears]
+        every_amx = every_amx and all(weight is not None for weight in amx)
         attention, attn = layer.self_attn, layer.self_attn.attn
         rotary = attention.rotary_emb
         step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                        [packed for packed, _ in tiles], [scales for _, scales in tiles],
-                       [linear.bias for linear in linears], [linear.weight for linear in linears],
+                       [linear.bias for linear in linears], amx, [linear.weight for linear in linears],
                        rotary.cos_sin_cache, rotary.head_size,
                        bool(rotary.is_neox_style), pool.get_key_buffer(attn.layer_id),
                        pool.get_value_buffer(attn.layer_id), attn.tp_q_head_num, attn.tp_k_head_num,
                        attn.qk_head_dim, float(attn.scaling))
-    return step, min(rows)
+    return CompiledStep(step, min(rows), sys.maxsize if every_amx else min(rows))
 
 
-def compiled_step(model: Any, pool: Any, bf16: bool) -> tuple[Any, int] | None:
+def compiled_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:
     """`build_step(model, pool, bf16)`, built once and again after the pool's buffers or a projection's weight changed
     (the step checks its weights' storage and version itself: `DecodeStep.current`)."""
     identity = (id(pool), pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id).data_ptr(), bf16)
     cached = getattr(model, _STEP, None)
-    if cached is None or cached[0] != identity or (cached[1] is not None and not cached[1][0].current()):
+    if cached is None or cached[0] != identity or (cached[1] is not None and not cached[1].step.current()):
         cached = (identity, build_step(model, pool, bf16))
         setattr(model, _STEP, cached)
     return cached[1]
@@ -257,17 +273,19 @@ def lean_forward(model: Any, input_ids: Any, positions: Any, forward_batch: Any,
     return kernels.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def compiled_forward(step: Any, model: Any, input_ids: Any, positions: Any, forward_batch: Any,
+def compiled_forward(compiled: CompiledStep, model: Any, input_ids: Any, positions: Any, forward_batch: Any,
                      layer_captures: list[Any], req_to_token: Any) -> Any:
-    """`lean_forward` through `step`, `model`'s compiled step (`compiled_step`), which calls the layers' captures;
+    """`lean_forward` through `model`'s compiled step (`compiled_step`), which calls the layers' captures;
     `req_to_token` is the attention backend's token table."""
     from policies.cpu_linear import told_grid_read
 
-    told_grid_read(len(input_ids), projections(model.layers[0])[0])
+    if len(input_ids) <= compiled.grid_rows:
+        told_grid_read(len(input_ids), projections(model.layers[0])[0])
     captured = [index for index, capture in enumerate(layer_captures) if capture is not None]
-    return step.forward(model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc,
-                        req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, captured,
-                        lambda index, residual: layer_captures[index](residual, forward_batch))
+    return compiled.step.forward(
+        model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc, req_to_token,
+        forward_batch.req_pool_indices, forward_batch.seq_lens, captured,
+        lambda index, residual: layer_captures[index](residual, forward_batch), compiled.grid_rows)
 
 
 def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
@@ -297,9 +315,10 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
 
             backend = get_attn_backend()
             step = compiled_step(model, backend.token_to_kv_pool, bf16)
-            if step is not None and len(input_ids) <= step[1]:
-                tell(f"lean decode took a compiled step ({len(model.layers)} layers)")
-                return compiled_forward(step[0], model, input_ids, positions, forward_batch, layer_captures,
+            if step is not None and len(input_ids) <= step.most_rows:
+                above = f", on AMX tiles above {step.grid_rows} rows" if len(input_ids) > step.grid_rows else ""
+                tell(f"lean decode took a compiled step ({len(model.layers)} layers{above})")
+                return compiled_forward(step, model, input_ids, positions, forward_batch, layer_captures,
                                         backend.req_to_token_pool.req_to_token)
         tell(f"lean decode took {'a step' if forward_batch.forward_mode.is_decode() else 'an extend'} "
              f"({len(model.layers)} layers)")

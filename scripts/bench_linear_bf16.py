@@ -1,8 +1,9 @@
 """One decode step's linear layers of SmolLM2-135M (30 layers of the fused qkv, o, fused gate-up and down products,
 then the LM head; random weights of the model's shapes, the layers' rounded as GGUF's Q4_1 writes them and the head
 as Q8_0 does, as the model ships) through each way the runtime can compute them: oneDNN on the packed fp32 and bf16
-copies, the grid kernel on the 4- and 8-bit tiles (`grid_linear`), and torch's int4 kernel (bf16 scales, input
-and result rounded to bf16) for the layers. The arms run interleaved; prints the median [min-max] ms of the layers
+copies, the project's AMX product on the bf16 tiles (`amx_linear`, where the CPU has AMX), the grid kernel on the 4-
+and 8-bit tiles (`grid_linear`), and torch's int4 kernel (bf16 scales, input and result rounded to bf16) for the
+layers. The arms run interleaved; prints the median [min-max] ms of the layers
 and of the head per arm at each row count, the CPU (`cpu_summary`) and the load. Where oneDNN has no bf16
 instructions the bf16 arms are left out.
 
@@ -20,8 +21,9 @@ from typing import Callable
 
 import torch
 
-from policies.cpu_linear import (GRID_GROUP, INT4_LEVELS, bf16_packed_linear, four_bit_grid, grid_kernels,
-                                 grid_linear, grid_tiles, packed_linear, q4_1_round, q8_0_round)
+from policies.cpu_linear import (GRID_GROUP, INT4_LEVELS, amx_kernels, amx_linear, amx_tiles, bf16_packed_linear,
+                                 four_bit_grid, grid_kernels, grid_linear, grid_tiles, packed_linear, q4_1_round,
+                                 q8_0_round)
 from sgl_tts.runtime.hardware import cpu_summary
 
 HIDDEN, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
@@ -57,6 +59,9 @@ def main() -> None:
             products[part]["bf16 packed"] = [lambda x, w=w: bf16_packed_linear(x, w) for w in bf16]
         except RuntimeError as exc:  # oneDNN without bf16 instructions (e.g. held to AVX2)
             print(f"no bf16 arm for the {part}: {exc}")
+        if amx_kernels() is not None:
+            on_tiles = [amx_tiles(w) for w in weights]
+            products[part]["amx tiles"] = [lambda x, t=t: amx_linear(x, t) for t in on_tiles]
         if grid_kernels() is not None:
             tiles = [grid_tiles(w) for w in weights]
             products[part]["grid"] = [lambda x, t=t: grid_linear(x, t) for t in tiles]

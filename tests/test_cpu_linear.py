@@ -63,6 +63,35 @@ def test_the_bf16_linear_is_the_product_of_the_rounded_factors(shape):
     assert linear_hook(lambda *args: "sglang", None, layer, x.bfloat16(), bias=None, bf16=True) == "sglang"
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("outputs, columns", [(48, 64), (96, 576)])
+def test_the_amx_product_is_the_product_of_the_bf16_factors_summed_in_fp32(rows, outputs, columns):
+    """policies/amx_linear.cpp: x and W each rounded to bf16 (nearest, ties to even), their exact products summed
+    in fp32 (within K eps sum_k |x_k w_k| of the float64 sum, in any order) and not rounded again: the result is not
+    on bf16's grid. Rows that fill no whole tile and an odd count of 16-output tiles included."""
+    if cpu_linear.amx_kernels() is None:
+        pytest.skip("no AMX product on this CPU or build")
+    layer = layer_of(outputs, columns, seed=rows)
+    x = torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows + 1))
+    got = cpu_linear.amx_linear(x, cpu_linear.amx_weight(layer))
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    rounded = torch.nn.functional.linear(x.bfloat16().double(), layer.weight.bfloat16().double())
+    magnitude = torch.nn.functional.linear(x.bfloat16().double().abs(), layer.weight.bfloat16().double().abs())
+    assert ((got.double() - rounded).abs() <= columns * torch.finfo(torch.float32).eps * magnitude + 1e-30).all()
+    assert not torch.equal(got, got.bfloat16().float())
+    assert cpu_linear.amx_weight(layer) is cpu_linear.amx_weight(layer)  # laid out once
+
+
+def test_amx_tiles_lay_out_16_outputs_by_32_along_k_in_pairs():
+    """[t, g, p, 2l + j] = bf16(W[16t + l, 32g + 2p + j]), and no tiles where N or K does not fill them."""
+    weight = torch.randn(48, 96)
+    tiles = cpu_linear.amx_tiles(weight)
+    assert tiles.shape == (3, 3, 16, 32) and tiles.dtype == torch.bfloat16
+    for t, g, p, lane, j in [(0, 0, 0, 0, 0), (2, 1, 5, 9, 1), (1, 2, 15, 15, 0)]:
+        assert tiles[t, g, p, 2 * lane + j] == weight[16 * t + lane, 32 * g + 2 * p + j].bfloat16()
+    assert cpu_linear.amx_tiles(weight[:40]) is None and cpu_linear.amx_tiles(weight[:, :80]) is None
+
+
 def four_bit_layer(rows: int, columns: int, seed: int = 0) -> tuple[types.SimpleNamespace, dict]:
     """A layer whose weight a Q4_1 quantizer wrote, as a GGUF file's converted weight has it: per group of 32 along
     K, w = float(d) q + float(m) with fp16 d and m, q in 0..15, and both 0 and 15 in every group (the quantizer's
@@ -175,12 +204,22 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
     assert cpu_linear.grid_tiles(layer.weight[:40]) is None  # N not a multiple of 16: the kernel's layout
 
 
-@pytest.mark.parametrize("value, beyond", [
-    (cpu_linear.PACKED_BF16_INT4, lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
-    (cpu_linear.PACKED_INT4, lambda x, layer: packed_linear(x, packed_weight(layer)))])
-def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, beyond):
+def bf16_beyond_the_grid(x, layer):
+    """A decoder layer's bf16 product beyond its grid's rows: on its AMX tiles where the AMX product is usable."""
+    if cpu_linear.amx_kernels() is not None:
+        return cpu_linear.amx_linear(x, cpu_linear.amx_weight(layer))
+    return cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))
+
+
+@pytest.mark.parametrize("value, beyond, head_beyond", [
+    (cpu_linear.PACKED_BF16_INT4, bf16_beyond_the_grid,
+     lambda x, layer: cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))),
+    (cpu_linear.PACKED_INT4, lambda x, layer: packed_linear(x, packed_weight(layer)),
+     lambda x, layer: packed_linear(x, packed_weight(layer)))])
+def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, beyond, head_beyond):
     """A 4-bit layer and an 8-bit head from their grids up to `most_grid_rows` rows, larger products and weights off
-    both grids from the packed copy; the first grid read is told once."""
+    both grids from the packed copy (a bf16 layer's from its AMX tiles where they are usable; a head keeps oneDNN's
+    bf16 copy); the first grid read is told once."""
     if cpu_linear.grid_kernels() is None:
         pytest.skip("no compiler for the grid kernel")
     from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
@@ -200,7 +239,8 @@ def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, b
         assert torch.equal(layer_hook(sglang, None, layer, x), from_grid if rows <= most[4] else beyond(x, layer))
         assert not torch.equal(from_grid, beyond(x, layer))
         head_from_grid = cpu_linear.grid_linear(x, cpu_linear.grid_weight(head))
-        assert torch.equal(head_hook(sglang, processor, x, head), head_from_grid if rows <= most[8] else beyond(x, head))
+        assert torch.equal(head_hook(sglang, processor, x, head),
+                           head_from_grid if rows <= most[8] else head_beyond(x, head))
     assert heard == ["a product of 1 row(s) read its (64, 576) weight from 4 bits"]
     plain = layer_of(64, 576)  # off both grids: the packed copy at any size
     x = torch.randn(1, 576)

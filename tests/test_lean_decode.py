@@ -151,7 +151,7 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
     tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
     step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
     step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles], [s for _, s in tiles],
-                   [None] * 4, weights, torch.zeros(16, head_dim), head_dim, True,
+                   [None] * 4, [None] * 4, weights, torch.zeros(16, head_dim), head_dim, True,
                    torch.zeros(8, kv_heads, head_dim), torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads,
                    head_dim, head_dim ** -0.5)
     assert step.current()
@@ -160,6 +160,43 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
     short = cpu_linear.grid_tiles(cpu_linear.q4_1_round(torch.randn(q_heads * head_dim, hidden)))  # no k, v rows
     with pytest.raises(RuntimeError, match="qkv"):  # the shapes are checked when a layer is added
         step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [short[0]] + [p for p, _ in tiles[1:]],
-                       [short[1]] + [s for _, s in tiles[1:]], [None] * 4, weights, torch.zeros(16, head_dim),
-                       head_dim, True, torch.zeros(8, kv_heads, head_dim), torch.zeros(8, kv_heads, head_dim),
-                       q_heads, kv_heads, head_dim, head_dim ** -0.5)
+                       [short[1]] + [s for _, s in tiles[1:]], [None] * 4, [None] * 4, weights,
+                       torch.zeros(16, head_dim), head_dim, True, torch.zeros(8, kv_heads, head_dim),
+                       torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads, head_dim, head_dim ** -0.5)
+
+
+def test_the_compiled_step_takes_amx_tiles_above_its_grid_rows_and_the_grid_below():
+    """A one-layer step over 40 one-token sequences: with every projection's AMX tiles and grid_rows 0, the
+    products run on the tiles (x and W rounded to bf16), within bf16's rounding of the grid step's output and not
+    equal to it; with grid_rows 40 the grid step's output exactly; a step built without tiles reads the grids at
+    any grid_rows."""
+    from policies import cpu_linear
+
+    kernel = lean_decode.step_kernel()
+    if kernel is None or cpu_linear.amx_kernels() is None:
+        pytest.skip("no AMX product on this CPU or build")
+    hidden, head_dim, q_heads, kv_heads, mlp, rows = 64, 32, 2, 1, 64, 40
+    generator = torch.Generator().manual_seed(7)
+    shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * mlp, hidden),
+              (hidden, mlp)]
+    weights = [cpu_linear.q4_1_round(torch.randn(n, k, generator=generator) * 0.2) for n, k in shapes]
+    tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
+    rotary = torch.cat([torch.ones(4, head_dim // 2), torch.zeros(4, head_dim // 2)], dim=1)  # cos 1, sin 0
+
+    def run(amx, grid_rows):
+        step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
+        caches = torch.zeros(rows, kv_heads, head_dim), torch.zeros(rows, kv_heads, head_dim)
+        step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles],
+                       [s for _, s in tiles], [None] * 4, amx, weights, rotary, head_dim, True, *caches, q_heads,
+                       kv_heads, head_dim, head_dim ** -0.5)
+        table = torch.arange(rows, dtype=torch.int32)[:, None].repeat(1, 4)
+        ones = torch.ones(rows, dtype=torch.long)
+        return step.forward(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(1)), ones * 0,
+                            torch.arange(rows), table, torch.arange(rows), ones, [], lambda *args: None, grid_rows)
+
+    from_grid = run([None] * 4, 0)
+    amx = [cpu_linear.amx_tiles(weight) for weight in weights]
+    assert torch.equal(run(amx, rows), from_grid)
+    on_tiles = run(amx, 0)
+    assert not torch.equal(on_tiles, from_grid)
+    torch.testing.assert_close(on_tiles, from_grid, rtol=0, atol=0.05)

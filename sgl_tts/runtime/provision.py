@@ -1,6 +1,6 @@
 """`python -m sgl_tts.runtime.provision`: build what the CPU default needs (models, shim, the paged attention
-kernel, the norm and rotary kernels, the products on 4- and 8-bit weights, the compiled decode step and the
-sampler's draw); idempotent.
+kernel, the norm and rotary kernels, the products on 4- and 8-bit weights and on AMX tiles, the compiled decode step
+and the sampler's draw); idempotent.
 
 A failure prints one line, `setup: error: ...`, and exits with status 1 (scripts/setup.sh stops there).
 """
@@ -12,7 +12,7 @@ import time
 
 from policies.cpu_attention import paged_kernel
 from policies.cpu_layers import layer_kernels
-from policies.cpu_linear import grid_kernels
+from policies.cpu_linear import amx_kernels, grid_kernels
 from policies.cpu_sampling import sampling_kernel
 from policies.lean_decode import step_kernel
 from sgl_tts.runtime.cpu_shim import ShimBuildError, shim_dir
@@ -31,6 +31,8 @@ def provision() -> None:
     print(f"setup: norm and rotary kernels {layers}", flush=True)
     grids = "built" if grid_kernels() is not None else "not built: every weight is read from its packed copy"
     print(f"setup: 4- and 8-bit weight products {grids}", flush=True)
+    tiles = "built" if amx_kernels() is not None else "not used: no AMX on this CPU, or not built (oneDNN's instead)"
+    print(f"setup: AMX tile products {tiles}", flush=True)
     step = "built" if step_kernel() is not None else "not built: the decode step's loop runs in Python"
     print(f"setup: compiled decode step {step}", flush=True)
     draw = "built" if sampling_kernel() is not None else "not built: the draw runs in torch"
