@@ -12,7 +12,7 @@
 // passes every pair of the chunk, so the block's x (36 KB at K = 576) stays in L1 and the chunk's weight, read from
 // memory once (the first block prefetching it 8 groups of K ahead), stays in L2 for the other blocks of rows.
 // Without the chunks and the prefetch the products were no faster than oneDNN's; with them one step's decoder
-// products at 64-128 rows took 0.77-0.83x oneDNN's time (policies/cpu_linear.py).
+// products at 64-128 rows took 0.73-0.83x oneDNN's time (policies/cpu_linear.py).
 //
 // Built with the tiles only where policies/cpu_attention.py defines SGLTTS_AMX (a CPU whose /proc/cpuinfo lists
 // amx_bf16), and then only the functions here target AMX and AVX-512 BF16 (the pragma below): the kernels compiled
