@@ -49,7 +49,7 @@ VALUES = (BATCHED, PAGED)
 KERNEL_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}  # torch's CPU capability -> the kernel's -march
 VNNI = "avx512_vnni"  # the /proc/cpuinfo flag of AVX-512's integer dot products: kernels built with them too
-AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tile products: policies/amx_linear.cpp uses them
+AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tiles: bf16 linear layers (server.py), amx_linear.cpp
 
 
 def batched_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -41,7 +41,9 @@ to bf16; oneDNN sums in fp32 and rounds the result to bf16:
     y = float(bf16(bf16(x) bf16(W)^T)) + b    three roundings of <= 2^-8 each; ~4e-3 relative on SmolLM2's head
 
 The model's state between layers (residual stream, norms, attention, KV cache) stays fp32, as does a live-rows
-head.
+head. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX: 39 -> 21 ms at 16 rows, 82 -> 57
+ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
+`sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
 
 Where the project's AMX product is built (`policies/amx_linear.cpp`, on a CPU that lists amx_bf16) the decoder
 layers' bf16 products call AMX's tiles directly instead: the weight rounded to bf16 once and laid out in tiles
@@ -54,9 +56,7 @@ without oneDNN's per-call primitive lookup, torch's conversions of x and y and t
 with AMX, 2026-12-06): 50.2 and 48.5 ms at 128 rows against oneDNN's 68.3 and 63.4, 52.7 against 63.5 at 64, level
 at 33 (37.2 and 49.6 against 36.4 and 55.3: a 33rd row costs a second block of 32). The LM head keeps oneDNN's copy:
 with its fp32 result (25 MB at 128 rows of 49,152) the tiles took 0.6-1.3x oneDNN's time over four runs, not
-separated. SmolLM2-135M's linear layers of one decode step on a 2-core Xeon with AMX: 39 -> 21 ms at 16 rows, 82 -> 57
-ms at 64 (`scripts/bench_linear_bf16.py`); on a CPU without AMX bf16 is emulated and slower, so
-`sgl_tts/runtime/server.py` chooses it only where /proc/cpuinfo lists amx_bf16.
+separated.
 
 Weights that a quantizer wrote are read from the bits it wrote them in, at a few rows. SmolLM2-135M ships as GGUF
 with its decoder layers in Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the

@@ -42,7 +42,6 @@ CPU_CONTINUOUS_DECODE_STEPS = 4
 # 64 requests of 128 tokens, where a second rank starts to pay (docs/runtime-speed.md). A smaller budget stays one
 # rank's, so that a small planned budget is not cut into pieces a long request no longer fits.
 MIN_RANK_TOKENS = 8192
-AMX_BF16 = "amx_bf16"  # the /proc/cpuinfo flag of AMX's bf16 tiles: a CPU runtime's linear layers run in bf16
 AVX2 = "avx2"  # the /proc/cpuinfo flag the grid kernel is vectorized for: 4- and 8-bit weights at a few rows
 
 
@@ -256,7 +255,7 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
         # request, 1.12-1.22x at 4-16; that one was 1.65x bf16 at one request; docs/runtime-speed.md);
         # `packed-bf16` / `packed` read bf16 / fp32 at every size.
         flags = cpu_flags()
-        env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if AMX_BF16 in flags
+        env.setdefault(env_names.CPU_LINEAR, cpu_linear.PACKED_BF16_INT4 if cpu_attention.AMX_BF16 in flags
                        else cpu_linear.PACKED_INT4 if AVX2 in flags else cpu_linear.PACKED)
         # RMSNorm and the rotary embedding in one compiled call each (policies/cpu_layers.py) instead of SGLang's
         # torch ops, whose dispatch is most of their cost at a search's rows; `env: {SGLTTS_CPU_LAYERS: torch}`.
