@@ -96,14 +96,14 @@ inline void copy_rows(const float* scratch, float* y, int64_t stride, int64_t ro
     copy_rows(scratch, y, outputs, ROW, rows, COLUMN);                                         \
   }
 
-// One block of 32 rows (from `row`) by 16 Outputs x 16 outputs (tile t onwards): C = A B over all of K.
+// One block of 32 rows (from `row`) by 16 Outputs x 16 outputs (the weight's tiles from b0, y's columns from
+// `column`): C = A B over all of K.
 template <int Outputs>
-inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows, const uint16_t* packed, int64_t t,
+inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows, const uint16_t* b0, int64_t column,
                   float* y, int64_t outputs, float* scratch, bool prefetch) {
   const int64_t groups = columns / kTileDepth, a_stride = columns * sizeof(uint16_t);
   const uint16_t* a0 = a + row * columns;
   const uint16_t* a1 = a0 + kTileRows * columns;
-  const uint16_t* b0 = packed + t * groups * kTileElements;
   const uint16_t* b1 = b0 + groups * kTileElements;
   _tile_zero(0);
   _tile_zero(1);
@@ -127,7 +127,6 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t column = t * kTileRows;
   SGLTTS_STORE(0, row, column)
   SGLTTS_STORE(2, row + kTileRows, column)
   if constexpr (Outputs == 2) {
@@ -140,7 +139,7 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
 // The pairs of output tiles go by chunks of about kChunkBytes of weight: per chunk, each block of 32 rows passes
 // every pair of the chunk, so the rows' tiles stay in L1 while the chunk's weight (read from memory once) stays in L2.
 void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* packed, int64_t tiles, float* y) {
-  const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows;
+  const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -152,10 +151,109 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
       for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
         for (int64_t pair = first; pair < last; ++pair) {
           const int64_t t = 2 * pair;
+          const uint16_t* b0 = packed + t * groups * kTileElements;
           if (t + 1 < tiles) {
-            block<2>(a, columns, row, rows, packed, t, y, outputs, scratch, row == 0);
+            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0);
           } else {
-            block<1>(a, columns, row, rows, packed, t, y, outputs, scratch, row == 0);
+            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Lane orders of the unpacking below: even[0], odd[0], even[1], odd[1], ... of outputs 0-7 (kLowPairs) and 8-15
+// (kHighPairs), as _mm512_permutex2var_epi32 reads them (an index of 16 + i takes the second vector's lane i); a
+// scale of output l in lanes 2l and 2l + 1 (kLowScales, kHighScales).
+alignas(64) constexpr int32_t kLowPairs[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+alignas(64) constexpr int32_t kHighPairs[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+alignas(64) constexpr int32_t kLowScales[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+alignas(64) constexpr int32_t kHighScales[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+
+// Tiles first .. first + count - 1 of a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles' layout: q of 16
+// outputs side by side, fp16 d and m per output and group of 32 along K) as the bf16 tiles amx_product reads,
+// into `out` [count, K / 32, 16, 32]: w = d q + m in fp32 (one rounding), then rounded to bf16 (nearest, ties to
+// even), as amx_tiles rounds the fp32 weight. A row p of a tile holds the pairs (2p, 2p + 1) along K of the 16
+// outputs, which the grid keeps in one 16-byte vector at 4 bits (low and high nibble) and in two at 8 bits (k and
+// k + 1): widened to 32-bit lanes, interleaved by one permutation for outputs 0-7 and one for 8-15.
+template <int Bits>
+void unpack_tiles(const uint8_t* packed, const at::Half* scales, int64_t columns, int64_t first, int64_t count,
+                  uint16_t* out) {
+  const int64_t groups = columns / kTileDepth;
+  const __m512i low_pairs = _mm512_load_si512(kLowPairs), high_pairs = _mm512_load_si512(kHighPairs);
+  const __m512i low_scales = _mm512_load_si512(kLowScales), high_scales = _mm512_load_si512(kHighScales);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  constexpr int64_t kScalesPerGroup = (Bits == 4 ? 2 : 1) * kTileRows;  // d (and m) of 16 outputs
+  for (int64_t t = first; t < first + count; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const at::Half* s = scales + (t * groups + g) * kScalesPerGroup;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 m = Bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)))
+                                 : _mm512_setzero_ps();
+      const __m512 d_low = _mm512_permutexvar_ps(low_scales, d), d_high = _mm512_permutexvar_ps(high_scales, d);
+      const __m512 m_low = _mm512_permutexvar_ps(low_scales, m), m_high = _mm512_permutexvar_ps(high_scales, m);
+      uint16_t* tile = out + ((t - first) * groups + g) * kTileElements;
+      // The q and scales kPrefetchGroups groups on, into cache: a tile's groups, and the tiles, lie one after the
+      // other (past the last tile: a hint, never a fault).
+      constexpr int64_t kGroupBytes = kTileRows * kTileDepth * Bits / 8;
+      const uint8_t* ahead = packed + (t * groups + g + kPrefetchGroups) * kGroupBytes;
+      for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * kScalesPerGroup), _MM_HINT_T0);
+      for (int64_t p = 0; p < kTileRows; ++p) {
+        __m512i even, odd;
+        if constexpr (Bits == 4) {  // [t, K / 2, 16] bytes: q[2p] | q[2p + 1] << 4
+          const uint8_t* bytes = packed + (t * columns / 2 + g * kTileRows + p) * kTileRows;
+          const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+          even = _mm512_and_si512(both, nibble);
+          odd = _mm512_srli_epi32(both, 4);
+        } else {  // [t, K, 16] int8: q[2p] of the 16 outputs, then q[2p + 1]
+          const uint8_t* bytes = packed + (t * columns + g * kTileDepth + 2 * p) * kTileRows;
+          even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+          odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + kTileRows)));
+        }
+        const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, low_pairs, odd)),
+                                           d_low, m_low);
+        const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, high_pairs, odd)),
+                                            d_high, m_high);
+        const __m512bh pairs = _mm512_cvtne2ps_pbh(high, low);
+        _mm512_storeu_si512(tile + p * kTileDepth, reinterpret_cast<const __m512i&>(pairs));
+      }
+    }
+  }
+}
+
+// y [rows, N] = bf16 x [padded rows, K] times a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles), on the tiles:
+// as amx_product, with each chunk of pairs of output tiles unpacked into bf16 (a buffer of the thread's, in L2)
+// before the blocks of rows pass it, so the weight is read from memory in its 4 or 8 bits (plus 16 or 32 bits of
+// scales a group of 32) instead of 16.
+void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const uint8_t* packed,
+                      const at::Half* scales, int bits, int64_t tiles, float* y) {
+  const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows, groups = columns / kTileDepth;
+  const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float scratch[kTileRows * kTileRows];
+    thread_local std::vector<uint16_t> unpacked;
+    unpacked.resize(std::max<size_t>(unpacked.size(), 2 * chunk * groups * kTileElements));
+    for (int64_t first = begin; first < end; first += chunk) {
+      const int64_t last = std::min(end, first + chunk), t0 = 2 * first, count = std::min(tiles, 2 * last) - t0;
+      if (bits == 4) {
+        unpack_tiles<4>(packed, scales, columns, t0, count, unpacked.data());
+      } else {
+        unpack_tiles<8>(packed, scales, columns, t0, count, unpacked.data());
+      }
+      for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
+        for (int64_t pair = first; pair < last; ++pair) {
+          const int64_t t = 2 * pair;
+          const uint16_t* b0 = unpacked.data() + (t - t0) * groups * kTileElements;
+          if (t + 1 < tiles) {
+            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false);
+          } else {
+            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false);
           }
         }
       }
@@ -193,6 +291,43 @@ void amx_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor
 #endif
 }
 
+// y = x W^T into y (rows x N fp32) for x [rows, K] fp32 (rows contiguous) and W on a 4- or 8-bit grid
+// (cpu_linear.grid_tiles: `packed` and `scales`), on the tiles.
+void amx_grid_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor& packed,
+                   const torch::Tensor& scales, float* y) {
+#if defined(SGLTTS_AMX)
+  const int64_t padded = (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  uint16_t* a = rounded_buffer(padded * columns);
+  round_rows(x, rows, padded, columns, a);
+  amx_grid_product(a, rows, columns, static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
+                   scales.dim() == 4 ? 4 : 8, packed.size(0), y);
+#else
+  TORCH_CHECK(false, "built without AMX");
+#endif
+}
+
+void check_grid_tiles(const torch::Tensor& packed, const torch::Tensor& scales, int64_t columns) {
+  const bool four = scales.dim() == 4;
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kHalf &&
+                  packed.dim() == 3 && packed.size(2) == kTileRows && columns % kTileDepth == 0 &&
+                  packed.size(1) == (four ? columns / 2 : columns) && scales.size(0) == packed.size(0) &&
+                  scales.size(1) == columns / kTileDepth &&
+                  packed.scalar_type() == (four ? torch::kByte : torch::kChar),
+              "a grid weight's tiles: packed uint8 [N / 16, K / 2, 16] with scales float16 [N / 16, K / 32, 2, 16], "
+              "or packed int8 [N / 16, K, 16] with scales float16 [N / 16, K / 32, 16], K of x");
+}
+
+// x [M, K] fp32 times the weight on a grid of `packed` and `scales` (cpu_linear.grid_tiles) transposed, on the
+// tiles: y [M, N] fp32.
+torch::Tensor amx_grid_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x: float32 [M, K] contiguous on the CPU");
+  check_grid_tiles(packed, scales, x.size(1));
+  auto out = torch::empty({x.size(0), packed.size(0) * kTileRows}, x.options());
+  amx_grid_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, out.data_ptr<float>());
+  return out;
+}
+
 // x [M, K] fp32 times the weight of `packed` (cpu_linear.amx_tiles) transposed: y [M, N] fp32.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -216,6 +351,8 @@ bool amx_usable() {
 #ifndef SGLTTS_ONE_UNIT  // policies/decode_step.cpp is compiled after this file, with a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x [M, K] fp32 times a weight's AMX tiles, transposed: [M, N] fp32");
+  m.def("amx_grid_linear", &amx_grid_linear,
+        "x [M, K] fp32 times a 4- or 8-bit grid weight's tiles, transposed, on AMX's tiles: [M, N] fp32");
   m.def("usable", &amx_usable, "whether this build has AMX and this process may use its tiles");
 }
 #endif

@@ -411,6 +411,15 @@ def amx_linear(x: Any, tiles: Any, bias: Any = None) -> Any:
     return out if bias is None else out + bias
 
 
+def amx_grid_linear(x: Any, tiles: tuple[Any, Any], bias: Any = None) -> Any:
+    """fp32 x [..., K] rounded to bf16, times the weight of `tiles` (`grid_tiles`) on AMX's tiles: unpacked to bf16
+    a chunk at a time (d q + m rounded to bf16, as `amx_tiles` rounds the fp32 weight), summed and returned in fp32,
+    plus bias."""
+    out = amx_kernels().amx_grid_linear(x.reshape(-1, x.shape[-1]).contiguous(), *tiles)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
 def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
     """fp32 x [..., K] rounded to bf16, times the packed bf16 weight [N, K] transposed (a bf16 result), in fp32,
     plus bias."""
@@ -421,14 +430,18 @@ def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
 def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grids: bool = False,
                  on_amx: bool = True) -> Any:
     """x times `module.weight` transposed, plus bias, on its packed fp32 copy or (`bf16`) its AMX tiles where
-    `on_amx` and the AMX product is usable, else its packed bf16 copy; with `grids`, a product of at most
-    `most_grid_rows` rows from the weight's 4- or 8-bit grid where it has one."""
+    `on_amx` and the AMX product is usable, else its packed bf16 copy; with `grids`, from the weight's 4- or 8-bit
+    grid where it has one: by the grid kernel at up to `most_grid_rows` rows, and (`bf16` and `on_amx`) on AMX's
+    tiles above, unpacked from the grid (`amx_grid_linear`)."""
+    on_amx = bf16 and on_amx and amx_kernels() is not None
     if grids:
         tiles = grid_weight(module)  # found on the first call, whatever its rows
         rows = x.numel() // x.shape[-1]
         if tiles is not None and rows <= most_grid_rows(bf16, grid_bits(tiles)):
             told_grid_read(rows, module)
             return grid_linear(x, tiles, bias)
+        if tiles is not None and on_amx:
+            return amx_grid_linear(x, tiles, bias)
     if bf16:
         amx = amx_weight(module) if on_amx else None
         if amx is not None:

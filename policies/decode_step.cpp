@@ -7,9 +7,9 @@
 // K and V copied to their pool slots, the products into their outputs (grid_product), attention over the pool
 // (attend_cached), silu(gate) * up as two ATen calls on views (torch's own arithmetic for them).
 //
-// Above `grid_rows` rows (a search's 128-row batches) each product runs on its AMX tiles where the step was given
-// them (policies/amx_linear.cpp, the decoder layers' bf16 product of the Python loop too), so a step of any size is
-// one call on a CPU with AMX.
+// Above `grid_rows` rows (a search's 128-row batches) each product runs on AMX's tiles where the step was built for
+// them, its weight unpacked from the same grid into bf16 a chunk at a time (policies/amx_linear.cpp, the decoder
+// layers' product of the Python loop too), so a step of any size is one call on a CPU with AMX.
 //
 // policies/lean_decode.py compiles this file after policies/cpu_layers.cpp, policies/paged_attention.cpp,
 // policies/grid_linear.cpp and policies/amx_linear.cpp in one translation unit (their modules left out by
@@ -24,15 +24,15 @@
 namespace {
 
 // y = x W^T (+ bias) for a weight kept on its grid (cpu_linear.grid_tiles), into y's rows; above `grid_rows` rows
-// from its AMX tiles (cpu_linear.amx_tiles) where it has them.
+// on AMX's tiles where `on_amx`.
 struct GridProduct {
   torch::Tensor packed, scales, bias;  // bias: undefined when the layer has none
   int64_t bits, columns, outputs;
-  torch::Tensor amx;  // undefined: the grid at every row count
+  bool on_amx;  // false: the grid kernel at every row count
 
   void operator()(const float* x, int64_t rows, float* y, int64_t grid_rows) const {
-    if (amx.defined() && rows > grid_rows) {
-      amx_into(x, rows, columns, amx, y);
+    if (on_amx && rows > grid_rows) {
+      amx_grid_into(x, rows, columns, packed, scales, y);
     } else if (bits == 4) {
       grid_product<4>(x, rows, columns, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), packed.size(0), y);
     } else {
@@ -47,7 +47,7 @@ struct GridProduct {
 };
 
 GridProduct grid_product_of(torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias,
-                            std::optional<torch::Tensor> amx, int64_t columns) {
+                            bool on_amx, int64_t columns) {
   const int64_t bits = scales.dim() == 4 ? 4 : 8;  // the 4-bit grid keeps d and m a group, the 8-bit one d
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == torch::kHalf &&
                   columns % kGroup == 0 && scales.size(1) == columns / kGroup,
@@ -57,12 +57,8 @@ GridProduct grid_product_of(torch::Tensor packed, torch::Tensor scales, std::opt
   auto b = bias.value_or(torch::Tensor());
   TORCH_CHECK(!b.defined() || (b.scalar_type() == torch::kFloat && b.is_contiguous() && b.numel() == outputs),
               "a bias: float32 [N]");
-  auto tiles = amx.value_or(torch::Tensor());
-  if (tiles.defined()) {
-    check_amx_weight(tiles, columns);
-    TORCH_CHECK(amx_usable() && tiles.size(0) * kTileRows == outputs, "AMX tiles of the grid's weight, on AMX");
-  }
-  return GridProduct{std::move(packed), std::move(scales), b, bits, columns, outputs, std::move(tiles)};
+  TORCH_CHECK(!on_amx || amx_usable(), "products on AMX's tiles in a build or process without them");
+  return GridProduct{std::move(packed), std::move(scales), b, bits, columns, outputs, on_amx};
 }
 
 struct Layer {
@@ -111,15 +107,15 @@ class DecodeStep {
   DecodeStep(torch::Tensor final_norm, double final_eps)
       : final_norm_(std::move(final_norm)), final_eps_(static_cast<float>(final_eps)) {}
 
-  // One decoder layer, in order: its norms, its four products' tiles (and biases) and weights, its rotary
-  // embedding and its KV pool buffers.
+  // One decoder layer, in order: its norms, its four products' tiles (and biases), whether they run on AMX above
+  // the grids' rows, their weights, its rotary embedding and its KV pool buffers.
   void add_layer(torch::Tensor norm_in, double eps_in, torch::Tensor norm_post, double eps_post,
                  std::vector<torch::Tensor> packed, std::vector<torch::Tensor> scales,
-                 std::vector<std::optional<torch::Tensor>> biases, std::vector<std::optional<torch::Tensor>> amx,
+                 std::vector<std::optional<torch::Tensor>> biases, bool on_amx,
                  std::vector<torch::Tensor> weights,
                  torch::Tensor cos_sin_cache, int64_t head_size, bool neox, torch::Tensor k_cache,
                  torch::Tensor v_cache, int64_t q_heads, int64_t kv_heads, int64_t head_dim, double scaling) {
-    TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && biases.size() == 4 && amx.size() == 4,
+    TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && biases.size() == 4,
                 "a layer has four products: qkv, o, gate_up, down");
     TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.dim() == 3 && k_cache.stride(2) == 1 &&
                     k_cache.stride(1) == head_dim && v_cache.stride(1) == head_dim && k_cache.size(1) == kv_heads &&
@@ -132,10 +128,10 @@ class DecodeStep {
                     cos_sin_cache.size(1) <= head_size && head_size == head_dim,
                 "cos_sin_cache: float32 [max_position, rotary_dim], rotary_dim even and at most head_dim");
     const int64_t hidden = norm_in.size(0), q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
-    auto qkv = grid_product_of(packed[0], scales[0], biases[0], amx[0], hidden);
-    auto o = grid_product_of(packed[1], scales[1], biases[1], amx[1], q_size);
-    auto gate_up = grid_product_of(packed[2], scales[2], biases[2], amx[2], hidden);
-    auto down = grid_product_of(packed[3], scales[3], biases[3], amx[3], gate_up.outputs / 2);
+    auto qkv = grid_product_of(packed[0], scales[0], biases[0], on_amx, hidden);
+    auto o = grid_product_of(packed[1], scales[1], biases[1], on_amx, q_size);
+    auto gate_up = grid_product_of(packed[2], scales[2], biases[2], on_amx, hidden);
+    auto down = grid_product_of(packed[3], scales[3], biases[3], on_amx, gate_up.outputs / 2);
     TORCH_CHECK(qkv.outputs == q_size + 2 * kv_size && o.outputs == hidden && down.outputs == hidden &&
                     gate_up.outputs % 2 == 0 && q_heads % kv_heads == 0,
                 "the products' shapes: qkv [q + 2 kv, H], o [H, q], gate_up [2 I, H], down [H, I]");

@@ -38,8 +38,8 @@ policies/probe_readout.py leaves one), else the whole step goes to SGLang.
 Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
 or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs compiled (`policies/decode_step.cpp`: the
 same kernel calls in C++, one Python call a step and one a capture); with `packed-bf16-int4` on a CPU with AMX it
-runs compiled at any rows, the products above the grids' rows on their AMX tiles (`cpu_linear.amx_linear`, as the
-Python loop computes them); else in Python;
+runs compiled at any rows, the products above the grids' rows on AMX's tiles, unpacked from the same grids
+(`cpu_linear.amx_grid_linear`, as the Python loop computes them); else in Python;
 $SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
 """
 
@@ -168,8 +168,9 @@ def projections(layer: Any) -> tuple[Any, Any, Any, Any]:
 
 @dataclass(frozen=True)
 class CompiledStep:
-    """A model's compiled step (`DecodeStep`): its products read their grids at up to `grid_rows` rows, and above
-    that their AMX tiles where every projection has them (`most_rows` unbounded), else the step is not taken."""
+    """A model's compiled step (`DecodeStep`): its products read their grids by the grid kernel at up to `grid_rows`
+    rows, and above that on AMX's tiles where it was built for them (`most_rows` unbounded), else the step is not
+    taken."""
 
     step: Any
     grid_rows: int
@@ -181,7 +182,7 @@ def build_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:
     not a plain fp32 or bf16 one, or the kernel is not built."""
     import torch
 
-    from policies.cpu_linear import amx_weight, grid_bits, grid_weight, most_grid_rows
+    from policies.cpu_linear import amx_kernels, grid_bits, grid_weight, most_grid_rows
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     kernel = step_kernel()
@@ -189,26 +190,24 @@ def build_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:
             or pool.store_dtype != pool.dtype or pool.dtype not in (torch.float32, torch.bfloat16)):
         return None
     step, rows = kernel.DecodeStep(model.norm.weight, model.norm.variance_epsilon), []
-    every_amx = bf16
+    on_amx = bf16 and amx_kernels() is not None
     for layer in model.layers:
         linears = projections(layer)
         tiles = [grid_weight(linear) for linear in linears]
         if any(tile is None for tile in tiles):
             return None
         rows += [most_grid_rows(bf16, grid_bits(tile)) for tile in tiles]
-        amx = [amx_weight(linear) if bf16 else None for linear in linears]
-        every_amx = every_amx and all(weight is not None for weight in amx)
         attention, attn = layer.self_attn, layer.self_attn.attn
         rotary = attention.rotary_emb
         step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                        [packed for packed, _ in tiles], [scales for _, scales in tiles],
-                       [linear.bias for linear in linears], amx, [linear.weight for linear in linears],
+                       [linear.bias for linear in linears], on_amx, [linear.weight for linear in linears],
                        rotary.cos_sin_cache, rotary.head_size,
                        bool(rotary.is_neox_style), pool.get_key_buffer(attn.layer_id),
                        pool.get_value_buffer(attn.layer_id), attn.tp_q_head_num, attn.tp_k_head_num,
                        attn.qk_head_dim, float(attn.scaling))
-    return CompiledStep(step, min(rows), sys.maxsize if every_amx else min(rows))
+    return CompiledStep(step, min(rows), sys.maxsize if on_amx else min(rows))
 
 
 def compiled_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from policies.cpu_linear import (GRID_GROUP, INT4_LEVELS, amx_kernels, amx_linear, amx_tiles, bf16_packed_linear,
+from policies.cpu_linear import (GRID_GROUP, INT4_LEVELS, amx_grid_linear, amx_kernels, amx_linear, amx_tiles,
+                                 bf16_packed_linear,
                                  four_bit_grid, grid_kernels, grid_linear, grid_tiles, packed_linear, q4_1_round,
                                  q8_0_round)
 from sgl_tts.runtime.hardware import cpu_summary
@@ -65,6 +66,8 @@ def main() -> None:
         if grid_kernels() is not None:
             tiles = [grid_tiles(w) for w in weights]
             products[part]["grid"] = [lambda x, t=t: grid_linear(x, t) for t in tiles]
+            if amx_kernels() is not None:
+                products[part]["grid on amx"] = [lambda x, t=t: amx_grid_linear(x, t) for t in tiles]
     products["layers"]["torch int4"] = [torch_int4(w) for w in layers]
     print(f"{cpu_summary()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     for rows in (int(count) for count in args.rows.split(",")):

@@ -82,6 +82,32 @@ def test_the_amx_product_is_the_product_of_the_bf16_factors_summed_in_fp32(rows,
     assert cpu_linear.amx_weight(layer) is cpu_linear.amx_weight(layer)  # laid out once
 
 
+@pytest.mark.parametrize("rows", [1, 17, 33, 100])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("outputs, columns", [(48, 64), (96, 576), (64, 1536)])
+def test_the_amx_product_from_a_grid_is_the_product_on_the_fp32_weights_tiles(rows, bits, outputs, columns):
+    """policies/amx_linear.cpp: a weight on a 4- or 8-bit grid, unpacked from its q and fp16 scales into bf16 tiles
+    a chunk at a time, gives to the bit the product on the tiles of its fp32 weight (`amx_tiles`); an odd count
+    of 16-output tiles and rows that fill no whole block included. Tiles of another K are refused, naming the
+    layout expected."""
+    if cpu_linear.amx_kernels() is None or cpu_linear.grid_kernels() is None:
+        pytest.skip("no AMX product on this CPU or build")
+    generator = torch.Generator().manual_seed(rows + bits)
+    rounding = cpu_linear.q4_1_round if bits == 4 else cpu_linear.q8_0_round
+    weight = rounding(torch.randn(outputs, columns, generator=generator) * 0.05)
+    tiles = cpu_linear.grid_tiles(weight)
+    assert cpu_linear.grid_bits(tiles) == bits
+    x = torch.randn(rows, columns, generator=generator)
+    bias = torch.randn(outputs, generator=generator)
+    got = cpu_linear.amx_grid_linear(x, tiles, bias)
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    assert torch.equal(got, cpu_linear.amx_linear(x, cpu_linear.amx_tiles(weight), bias))
+    assert not torch.equal(got, cpu_linear.grid_linear(x, tiles, bias))  # x and W rounded to bf16
+    other = cpu_linear.grid_tiles(rounding(torch.randn(outputs, columns + 32, generator=generator)))
+    with pytest.raises(RuntimeError, match="K of x"):
+        cpu_linear.amx_grid_linear(x, other)
+
+
 def test_amx_tiles_lay_out_16_outputs_by_32_along_k_in_pairs():
     """[t, g, p, 2l + j] = bf16(W[16t + l, 32g + 2p + j]), and no tiles where N or K does not fill them."""
     weight = torch.randn(48, 96)
@@ -205,8 +231,12 @@ def test_the_grid_product_is_the_fp32_weights_product(make, rows):
 
 
 def bf16_beyond_the_grid(x, layer):
-    """A decoder layer's bf16 product beyond its grid's rows: on its AMX tiles where the AMX product is usable."""
+    """A decoder layer's bf16 product beyond its grid's rows: on AMX's tiles where the AMX product is usable,
+    unpacked from the grid where the weight has one."""
     if cpu_linear.amx_kernels() is not None:
+        tiles = cpu_linear.grid_weight(layer)
+        if tiles is not None:
+            return cpu_linear.amx_grid_linear(x, tiles)
         return cpu_linear.amx_linear(x, cpu_linear.amx_weight(layer))
     return cpu_linear.bf16_packed_linear(x, packed_bf16_weight(layer))
 
@@ -218,8 +248,8 @@ def bf16_beyond_the_grid(x, layer):
      lambda x, layer: packed_linear(x, packed_weight(layer)))])
 def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, beyond, head_beyond):
     """A 4-bit layer and an 8-bit head from their grids up to `most_grid_rows` rows, larger products and weights off
-    both grids from the packed copy (a bf16 layer's from its AMX tiles where they are usable; a head keeps oneDNN's
-    bf16 copy); the first grid read is told once."""
+    both grids from the packed copy (a bf16 layer's on AMX's tiles where they are usable, a grid layer's unpacked
+    from its grid with no bf16 copy kept; a head keeps oneDNN's bf16 copy); the first grid read is told once."""
     if cpu_linear.grid_kernels() is None:
         pytest.skip("no compiler for the grid kernel")
     from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
@@ -242,6 +272,8 @@ def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, b
         assert torch.equal(head_hook(sglang, processor, x, head),
                            head_from_grid if rows <= most[8] else head_beyond(x, head))
     assert heard == ["a product of 1 row(s) read its (64, 576) weight from 4 bits"]
+    if value == cpu_linear.PACKED_BF16_INT4 and cpu_linear.amx_kernels() is not None:  # read from its grid only
+        assert not hasattr(layer, cpu_linear._AMX_CACHE) and not hasattr(layer, cpu_linear._BF16_CACHE)
     plain = layer_of(64, 576)  # off both grids: the packed copy at any size
     x = torch.randn(1, 576)
     assert cpu_linear.grid_weight(plain) is None

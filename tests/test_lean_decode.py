@@ -151,7 +151,7 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
     tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
     step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
     step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles], [s for _, s in tiles],
-                   [None] * 4, [None] * 4, weights, torch.zeros(16, head_dim), head_dim, True,
+                   [None] * 4, False, weights, torch.zeros(16, head_dim), head_dim, True,
                    torch.zeros(8, kv_heads, head_dim), torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads,
                    head_dim, head_dim ** -0.5)
     assert step.current()
@@ -160,16 +160,15 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
     short = cpu_linear.grid_tiles(cpu_linear.q4_1_round(torch.randn(q_heads * head_dim, hidden)))  # no k, v rows
     with pytest.raises(RuntimeError, match="qkv"):  # the shapes are checked when a layer is added
         step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [short[0]] + [p for p, _ in tiles[1:]],
-                       [short[1]] + [s for _, s in tiles[1:]], [None] * 4, [None] * 4, weights,
+                       [short[1]] + [s for _, s in tiles[1:]], [None] * 4, False, weights,
                        torch.zeros(16, head_dim), head_dim, True, torch.zeros(8, kv_heads, head_dim),
                        torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads, head_dim, head_dim ** -0.5)
 
 
-def test_the_compiled_step_takes_amx_tiles_above_its_grid_rows_and_the_grid_below():
-    """A one-layer step over 40 one-token sequences: with every projection's AMX tiles and grid_rows 0, the
-    products run on the tiles (x and W rounded to bf16), within bf16's rounding of the grid step's output and not
-    equal to it; with grid_rows 40 the grid step's output exactly; a step built without tiles reads the grids at
-    any grid_rows."""
+def test_the_compiled_step_runs_on_amx_tiles_above_its_grid_rows_and_the_grid_below():
+    """A one-layer step over 40 one-token sequences: built for AMX, with grid_rows 0 the products run on the tiles
+    (x and W rounded to bf16), within bf16's rounding of the grid step's output and not equal to it; with grid_rows
+    40 the grid step's output exactly; a step built without AMX reads the grids at any grid_rows."""
     from policies import cpu_linear
 
     kernel = lean_decode.step_kernel()
@@ -194,9 +193,8 @@ def test_the_compiled_step_takes_amx_tiles_above_its_grid_rows_and_the_grid_belo
         return step.forward(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(1)), ones * 0,
                             torch.arange(rows), table, torch.arange(rows), ones, [], lambda *args: None, grid_rows)
 
-    from_grid = run([None] * 4, 0)
-    amx = [cpu_linear.amx_tiles(weight) for weight in weights]
-    assert torch.equal(run(amx, rows), from_grid)
-    on_tiles = run(amx, 0)
+    from_grid = run(False, 0)
+    assert torch.equal(run(True, rows), from_grid)
+    on_tiles = run(True, 0)
     assert not torch.equal(on_tiles, from_grid)
     torch.testing.assert_close(on_tiles, from_grid, rtol=0, atol=0.05)
