@@ -14,6 +14,11 @@
 // Without the chunks and the prefetch the products were no faster than oneDNN's; with them one step's decoder
 // products at 64-128 rows took 0.73-0.83x oneDNN's time (policies/cpu_linear.py).
 //
+// A weight on a 4- or 8-bit grid (cpu_linear.grid_tiles) needs no bf16 copy: amx_grid_product unpacks each chunk
+// from the grid's q and fp16 scales into bf16 tiles in a buffer of the thread's (w = d q + m, rounded as the copy
+// is), then the blocks of rows pass it as above: the same products to the bit, the weight read from memory in 4 or
+// 8 bits (and its scales) instead of 16.
+//
 // Built with the tiles only where policies/cpu_attention.py defines SGLTTS_AMX (a CPU whose /proc/cpuinfo lists
 // amx_bf16), and then only the functions here target AMX and AVX-512 BF16 (the pragma below): the kernels compiled
 // in one unit with this file keep their own code. Linux lends a process the tile registers once it asks (arch_prctl
@@ -96,11 +101,97 @@ inline void copy_rows(const float* scratch, float* y, int64_t stride, int64_t ro
     copy_rows(scratch, y, outputs, ROW, rows, COLUMN);                                         \
   }
 
+// Lane orders of the unpacking below: even[0], odd[0], even[1], odd[1], ... of outputs 0-7 (kLowPairs) and 8-15
+// (kHighPairs), as _mm512_permutex2var_epi32 reads them (an index of 16 + i takes the second vector's lane i); a
+// scale of output l in lanes 2l and 2l + 1 (kLowScales, kHighScales).
+alignas(64) constexpr int32_t kLowPairs[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+alignas(64) constexpr int32_t kHighPairs[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+alignas(64) constexpr int32_t kLowScales[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+alignas(64) constexpr int32_t kHighScales[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+
+// Group g (32 along K) of tile t of a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles' layout: q of 16 outputs
+// side by side, fp16 d and m per output and group) as the bf16 tile amx_product reads, into `tile` [16, 32]: w = d q
+// + m in fp32 (one rounding), then rounded to bf16 (nearest, ties to even), as amx_tiles rounds the fp32 weight. A
+// row p of the tile holds the pairs (2p, 2p + 1) along K of the 16 outputs, which the grid keeps in one 16-byte vector
+// at 4 bits (low and high nibble) and in two at 8 bits (k and k + 1): widened to 32-bit lanes, interleaved by one
+// permutation for outputs 0-7 and one for 8-15.
+template <int Bits>
+inline void unpack_group(const uint8_t* packed, const at::Half* scales, int64_t columns, int64_t t, int64_t g,
+                         uint16_t* tile) {
+  const int64_t groups = columns / kTileDepth;
+  const __m512i low_pairs = _mm512_load_si512(kLowPairs), high_pairs = _mm512_load_si512(kHighPairs);
+  const __m512i low_scales = _mm512_load_si512(kLowScales), high_scales = _mm512_load_si512(kHighScales);
+  constexpr int64_t kScalesPerGroup = (Bits == 4 ? 2 : 1) * kTileRows;  // d (and m) of 16 outputs
+  const at::Half* s = scales + (t * groups + g) * kScalesPerGroup;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  const __m512 m = Bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)))
+                             : _mm512_setzero_ps();
+  const __m512 d_low = _mm512_permutexvar_ps(low_scales, d), d_high = _mm512_permutexvar_ps(high_scales, d);
+  const __m512 m_low = _mm512_permutexvar_ps(low_scales, m), m_high = _mm512_permutexvar_ps(high_scales, m);
+  // The q and scales kPrefetchGroups groups on, into cache: a tile's groups, and the tiles, lie one after the other
+  // (past the last tile: a hint, never a fault).
+  constexpr int64_t kGroupBytes = kTileRows * kTileDepth * Bits / 8;
+  const uint8_t* ahead = packed + (t * groups + g + kPrefetchGroups) * kGroupBytes;
+  for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * kScalesPerGroup), _MM_HINT_T0);
+  for (int64_t p = 0; p < kTileRows; ++p) {
+    __m512i even, odd;
+    if constexpr (Bits == 4) {  // [t, K / 2, 16] bytes: q[2p] | q[2p + 1] << 4
+      const uint8_t* bytes = packed + (t * columns / 2 + g * kTileRows + p) * kTileRows;
+      const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      even = _mm512_and_si512(both, _mm512_set1_epi32(15));
+      odd = _mm512_srli_epi32(both, 4);
+    } else {  // [t, K, 16] int8: q[2p] of the 16 outputs, then q[2p + 1]
+      const uint8_t* bytes = packed + (t * columns + g * kTileDepth + 2 * p) * kTileRows;
+      even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + kTileRows)));
+    }
+    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, low_pairs, odd)), d_low,
+                                       m_low);
+    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, high_pairs, odd)),
+                                        d_high, m_high);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(high, low);
+    _mm512_storeu_si512(tile + p * kTileDepth, reinterpret_cast<const __m512i&>(pairs));
+  }
+}
+
+// The tiles of a chunk of a grid weight being unpacked into `out` [count, K / 32, 16, 32] a few groups at a time:
+// `some` is called between the tile products of the chunk before, so that the vector units unpack while the tile
+// unit multiplies; `rest` unpacks what is left.
+struct Unpacking {
+  const uint8_t* packed;
+  const at::Half* scales;
+  int64_t columns, groups;
+  int bits;
+  int64_t first = 0, total = 0, done = 0, per_call = 0;  // tiles from `first`: groups in all, unpacked, a call
+  uint16_t* out = nullptr;
+
+  // `count` tiles from `tile` into `into`, over `calls` calls of `some`.
+  void start(int64_t tile, int64_t count, uint16_t* into, int64_t calls) {
+    first = tile, total = count * groups, done = 0, out = into;
+    per_call = (total + calls - 1) / std::max<int64_t>(calls, 1);
+  }
+  void one() {  // the next group: tile first + done / groups, group done % groups, at out's tile `done`
+    if (bits == 4) {
+      unpack_group<4>(packed, scales, columns, first + done / groups, done % groups, out + done * kTileElements);
+    } else {
+      unpack_group<8>(packed, scales, columns, first + done / groups, done % groups, out + done * kTileElements);
+    }
+    ++done;
+  }
+  void some() {
+    for (int64_t i = 0; i < per_call && done < total; ++i) one();
+  }
+  void rest() {
+    while (done < total) one();
+  }
+};
+
 // One block of 32 rows (from `row`) by 16 Outputs x 16 outputs (the weight's tiles from b0, y's columns from
-// `column`): C = A B over all of K.
-template <int Outputs>
+// `column`): C = A B over all of K, `between()` called after each group's tile products are issued.
+template <int Outputs, typename Between>
 inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows, const uint16_t* b0, int64_t column,
-                  float* y, int64_t outputs, float* scratch, bool prefetch) {
+                  float* y, int64_t outputs, float* scratch, bool prefetch, Between& between) {
   const int64_t groups = columns / kTileDepth, a_stride = columns * sizeof(uint16_t);
   const uint16_t* a0 = a + row * columns;
   const uint16_t* a1 = a0 + kTileRows * columns;
@@ -126,6 +217,7 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
+    between();
   }
   SGLTTS_STORE(0, row, column)
   SGLTTS_STORE(2, row + kTileRows, column)
@@ -146,6 +238,7 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
     TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
+    auto nothing = [] {};
     for (int64_t first = begin; first < end; first += chunk) {
       const int64_t last = std::min(end, first + chunk);
       for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
@@ -153,9 +246,9 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
           const int64_t t = 2 * pair;
           const uint16_t* b0 = packed + t * groups * kTileElements;
           if (t + 1 < tiles) {
-            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0);
+            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0, nothing);
           } else {
-            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0);
+            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0, nothing);
           }
         }
       }
@@ -164,99 +257,50 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
   });
 }
 
-// Lane orders of the unpacking below: even[0], odd[0], even[1], odd[1], ... of outputs 0-7 (kLowPairs) and 8-15
-// (kHighPairs), as _mm512_permutex2var_epi32 reads them (an index of 16 + i takes the second vector's lane i); a
-// scale of output l in lanes 2l and 2l + 1 (kLowScales, kHighScales).
-alignas(64) constexpr int32_t kLowPairs[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-alignas(64) constexpr int32_t kHighPairs[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-alignas(64) constexpr int32_t kLowScales[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-alignas(64) constexpr int32_t kHighScales[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-
-// Tiles first .. first + count - 1 of a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles' layout: q of 16
-// outputs side by side, fp16 d and m per output and group of 32 along K) as the bf16 tiles amx_product reads,
-// into `out` [count, K / 32, 16, 32]: w = d q + m in fp32 (one rounding), then rounded to bf16 (nearest, ties to
-// even), as amx_tiles rounds the fp32 weight. A row p of a tile holds the pairs (2p, 2p + 1) along K of the 16
-// outputs, which the grid keeps in one 16-byte vector at 4 bits (low and high nibble) and in two at 8 bits (k and
-// k + 1): widened to 32-bit lanes, interleaved by one permutation for outputs 0-7 and one for 8-15.
-template <int Bits>
-void unpack_tiles(const uint8_t* packed, const at::Half* scales, int64_t columns, int64_t first, int64_t count,
-                  uint16_t* out) {
-  const int64_t groups = columns / kTileDepth;
-  const __m512i low_pairs = _mm512_load_si512(kLowPairs), high_pairs = _mm512_load_si512(kHighPairs);
-  const __m512i low_scales = _mm512_load_si512(kLowScales), high_scales = _mm512_load_si512(kHighScales);
-  const __m512i nibble = _mm512_set1_epi32(15);
-  constexpr int64_t kScalesPerGroup = (Bits == 4 ? 2 : 1) * kTileRows;  // d (and m) of 16 outputs
-  for (int64_t t = first; t < first + count; ++t) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const at::Half* s = scales + (t * groups + g) * kScalesPerGroup;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      const __m512 m = Bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)))
-                                 : _mm512_setzero_ps();
-      const __m512 d_low = _mm512_permutexvar_ps(low_scales, d), d_high = _mm512_permutexvar_ps(high_scales, d);
-      const __m512 m_low = _mm512_permutexvar_ps(low_scales, m), m_high = _mm512_permutexvar_ps(high_scales, m);
-      uint16_t* tile = out + ((t - first) * groups + g) * kTileElements;
-      // The q and scales kPrefetchGroups groups on, into cache: a tile's groups, and the tiles, lie one after the
-      // other (past the last tile: a hint, never a fault).
-      constexpr int64_t kGroupBytes = kTileRows * kTileDepth * Bits / 8;
-      const uint8_t* ahead = packed + (t * groups + g + kPrefetchGroups) * kGroupBytes;
-      for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * kScalesPerGroup), _MM_HINT_T0);
-      for (int64_t p = 0; p < kTileRows; ++p) {
-        __m512i even, odd;
-        if constexpr (Bits == 4) {  // [t, K / 2, 16] bytes: q[2p] | q[2p + 1] << 4
-          const uint8_t* bytes = packed + (t * columns / 2 + g * kTileRows + p) * kTileRows;
-          const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-          even = _mm512_and_si512(both, nibble);
-          odd = _mm512_srli_epi32(both, 4);
-        } else {  // [t, K, 16] int8: q[2p] of the 16 outputs, then q[2p + 1]
-          const uint8_t* bytes = packed + (t * columns + g * kTileDepth + 2 * p) * kTileRows;
-          even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-          odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + kTileRows)));
-        }
-        const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, low_pairs, odd)),
-                                           d_low, m_low);
-        const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, high_pairs, odd)),
-                                            d_high, m_high);
-        const __m512bh pairs = _mm512_cvtne2ps_pbh(high, low);
-        _mm512_storeu_si512(tile + p * kTileDepth, reinterpret_cast<const __m512i&>(pairs));
-      }
-    }
-  }
-}
-
 // y [rows, N] = bf16 x [padded rows, K] times a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles), on the tiles:
-// as amx_product, with each chunk of pairs of output tiles unpacked into bf16 (a buffer of the thread's, in L2)
-// before the blocks of rows pass it, so the weight is read from memory in its 4 or 8 bits (plus 16 or 32 bits of
-// scales a group of 32) instead of 16.
+// as amx_product, each chunk of pairs of output tiles unpacked into bf16 (buffers of the thread's, in L2) before the
+// blocks of rows pass it, so the weight is read from memory in its 4 or 8 bits (and 16 or 32 bits of scales a group
+// of 32) instead of 16. The first chunk is unpacked at once, every later one while the tiles multiply the one before.
 void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const uint8_t* packed,
                       const at::Half* scales, int bits, int64_t tiles, float* y) {
   const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes), blocks = (rows + 31) / 32;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
+    const int64_t buffer = 2 * chunk * groups * kTileElements;  // one chunk's tiles
     thread_local std::vector<uint16_t> unpacked;
-    unpacked.resize(std::max<size_t>(unpacked.size(), 2 * chunk * groups * kTileElements));
-    for (int64_t first = begin; first < end; first += chunk) {
-      const int64_t last = std::min(end, first + chunk), t0 = 2 * first, count = std::min(tiles, 2 * last) - t0;
-      if (bits == 4) {
-        unpack_tiles<4>(packed, scales, columns, t0, count, unpacked.data());
+    unpacked.resize(std::max<size_t>(unpacked.size(), 2 * buffer));
+    uint16_t* buffers[2] = {unpacked.data(), unpacked.data() + buffer};
+    const auto tiles_from = [&](int64_t first) {  // the tiles of the chunk of pairs from `first`
+      return std::min(tiles, 2 * std::min(end, first + chunk)) - 2 * first;
+    };
+    Unpacking unpacking{packed, scales, columns, groups, bits};
+    unpacking.start(2 * begin, tiles_from(begin), buffers[0], 1);
+    unpacking.rest();
+    auto between = [&] { unpacking.some(); };
+    for (int64_t first = begin, which = 0; first < end; first += chunk, which ^= 1) {
+      const int64_t last = std::min(end, first + chunk), t0 = 2 * first;
+      const uint16_t* current = buffers[which];
+      if (last < end) {
+        unpacking.start(2 * last, tiles_from(last), buffers[which ^ 1], blocks * (last - first) * groups);
       } else {
-        unpack_tiles<8>(packed, scales, columns, t0, count, unpacked.data());
+        unpacking.start(0, 0, nullptr, 1);
       }
       for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
         for (int64_t pair = first; pair < last; ++pair) {
           const int64_t t = 2 * pair;
-          const uint16_t* b0 = unpacked.data() + (t - t0) * groups * kTileElements;
+          const uint16_t* b0 = current + (t - t0) * groups * kTileElements;
           if (t + 1 < tiles) {
-            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false);
+            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false, between);
           } else {
-            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false);
+            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false, between);
           }
         }
       }
+      unpacking.rest();
     }
     _tile_release();
   });

@@ -58,6 +58,15 @@ at 33 (37.2 and 49.6 against 36.4 and 55.3: a 33rd row costs a second block of 3
 with its fp32 result (25 MB at 128 rows of 49,152) the tiles took 0.6-1.3x oneDNN's time over four runs, not
 separated.
 
+A decoder weight on a 4- or 8-bit grid (below) needs no bf16 copy for the tiles: `amx_grid_linear` unpacks each
+chunk of ~512 KB of tiles from the grid into a buffer of the thread's (in L2) before the blocks of rows pass it,
+
+    w = bf16(d q + m)   per weight, in fp32 (one fused multiply-add), then rounded as `amx_tiles` rounds w
+
+which on a weight on its grid is the tiles' product to the bit (tests/test_cpu_linear.py), reading 4 bits and 1 of
+scales a weight (8 and 0.5 at 8 bits) from memory instead of 16, at 5-6 ms of unpacking for one step's 106M weights
+on one thread; no bf16 tiles or oneDNN copy of the layer are kept (212 MB a rank for SmolLM2-135M).
+
 Weights that a quantizer wrote are read from the bits it wrote them in, at a few rows. SmolLM2-135M ships as GGUF
 with its decoder layers in Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the
 quantizer sets m to the group's least weight and d to its range / 15, so q = 0 and q = 15 both occur) and its
