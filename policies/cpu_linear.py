@@ -64,8 +64,10 @@ chunk of ~512 KB of tiles from the grid into a buffer of the thread's (in L2) be
     w = bf16(d q + m)   per weight, in fp32 (one fused multiply-add), then rounded as `amx_tiles` rounds w
 
 which on a weight on its grid is the tiles' product to the bit (tests/test_cpu_linear.py), reading 4 bits and 1 of
-scales a weight (8 and 0.5 at 8 bits) from memory instead of 16, at 5-6 ms of unpacking for one step's 106M weights
-on one thread; no bf16 tiles or oneDNN copy of the layer are kept (212 MB a rank for SmolLM2-135M).
+scales a weight (8 and 0.5 at 8 bits) from memory instead of 16, at 4-6 ms of one core's unpacking for one step's
+106M weights, done between the tile products of the chunk before; no bf16 tiles or oneDNN copy of the layer are kept
+(212 MB a rank for SmolLM2-135M). One step's decoder products on a 2-core Xeon with AMX, one thread: level with the
+bf16 tiles at 8-128 rows, and so is the runtime (docs/runtime-speed.md, "the grids on AMX's tiles").
 
 Weights that a quantizer wrote are read from the bits it wrote them in, at a few rows. SmolLM2-135M ships as GGUF
 with its decoder layers in Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the
