@@ -74,6 +74,37 @@ def test_roofline_bound_is_bandwidth_at_small_batches_and_compute_at_large():
     assert ceiling.decode_tokens_per_s(64, parameters) == pytest.approx(64 / (64 * 0.002))
 
 
+def test_the_engines_bound_reads_the_bytes_it_keeps_and_multiplies_at_the_faster_rate():
+    """The engine's roofline: its weights' bytes as read (not 4 a parameter) over the bandwidth at small batches,
+    2 FLOPs a parameter and token over the faster of fp32 and bf16 at large ones; an unmeasured bf16 rate (0) leaves
+    fp32's."""
+    ceiling = MachineCeiling(flops=100e9, read_bandwidth=20e9, bf16_flops=400e9)
+    parameters, read_bytes = 100_000_000, 60_000_000  # 3 ms to read a step; 0.5 ms a token at 400 GFLOP/s
+    assert ceiling.engine_tokens_per_s(1, parameters, read_bytes) == pytest.approx(1 / 0.003)
+    assert ceiling.engine_tokens_per_s(6, parameters, read_bytes) == pytest.approx(6 / 0.003)  # equal at 6
+    assert ceiling.engine_tokens_per_s(64, parameters, read_bytes) == pytest.approx(1 / 0.0005)
+    fp32_only = MachineCeiling(flops=100e9, read_bandwidth=20e9)
+    assert fp32_only.engine_tokens_per_s(64, parameters, read_bytes) == pytest.approx(1 / 0.002)
+    assert ceiling.decode_tokens_per_s(64, parameters) == pytest.approx(64 / (64 * 0.002))  # fp32's bound unchanged
+
+
+def test_the_bench_table_gives_each_sglang_arms_share_of_the_engines_bound():
+    """Each round of an SGLang arm as a share of the bound at its parallel count (median [min-max]); HF and the
+    torch loop, and a count without a bound, show none."""
+    from sgl_tts.bench.runtime import HF_ARM, TORCH_ARM, Sample, bench_table
+
+    samples = {("now", 8): [Sample(100.0, 0.5), Sample(300.0, 0.5), Sample(200.0, 0.5)],
+               (HF_ARM, 8): [Sample(50.0, 1.0)] * 3, (TORCH_ARM, 8): [Sample(80.0, 1.0)] * 3,
+               ("now", 16): [Sample(400.0, 0.5)] * 3}
+    lines = bench_table(samples, {}, {8: 1000.0}).splitlines()
+    assert "of engine bound" in lines[0]
+    row = {line.split()[1]: line for line in lines[1:] if line.split()[0] == "8"}
+    assert "0.20 [0.10-0.30]" in row["now"]
+    assert "0.20 [" not in row[HF_ARM] and "0.20 [" not in row[TORCH_ARM]
+    sixteen = next(line for line in lines[1:] if line.split()[0] == "16")
+    assert "0.40" not in sixteen  # no bound given at 16
+
+
 def test_the_bytes_a_step_reads_count_each_grid_weight_at_its_bits_and_the_rest_as_stored():
     """A Q4_1 weight at 4 bits plus an fp16 d and m per group of 32 (0.625 bytes a parameter), a Q8_0 one at 8 bits
     plus an fp16 d (1.0625), a weight on no grid and a norm as stored; and a tied head's embedding once, an untied

@@ -7,8 +7,11 @@ arguments (`--arm NAME=ARGS`, e.g. `--arm "steps4=--num-continuous-decode-steps 
 set the runtime's environment, as in a shell line: `--arm "t1=OMP_NUM_THREADS=1"`) plus HF `generate` as the
 reference. All SGLang arms are started together and idle (`--sleep-on-idle`) while another arm runs; the arms
 run one at a time, interleaved round by round, and the table prints each arm's median tokens/s with its
-min-max over the rounds and the median of its per-round ratios to HF. Then a fork of 16 from one prompt on
-the first arm reports the fraction of prompt tokens served from the radix cache.
+min-max over the rounds and the median of its per-round ratios to HF, and each SGLang arm's share of the
+machine's ceiling for the engine: a roofline bound from the weights' bytes as the engine reads them (its 4- and
+8-bit grids) over the measured memory read rate, and 2 FLOPs a parameter and token over the faster of the measured
+fp32 and bf16 matmul rates (`MachineCeiling.engine_tokens_per_s`). Then a fork of 16 from one prompt on the first
+arm reports the fraction of prompt tokens served from the radix cache.
 """
 
 from __future__ import annotations
@@ -233,9 +236,17 @@ class MachineCeiling:
 
     flops: float  # fp32 matmul, FLOP/s
     read_bandwidth: float  # bytes/s, a sum over an array far larger than the caches
+    bf16_flops: float = 0.0  # bf16 matmul, FLOP/s (on AMX's tiles where the CPU has them); 0: not measured
 
     def decode_tokens_per_s(self, batch: int, parameters: int, bytes_per_parameter: int = 4) -> float:
         step_s = max(parameters * bytes_per_parameter / self.read_bandwidth, batch * 2 * parameters / self.flops)
+        return batch / step_s
+
+    def engine_tokens_per_s(self, batch: int, parameters: int, read_bytes: int) -> float:
+        """The bound on a decode step that reads `read_bytes` (the weights as the engine keeps them: its grids,
+        `grid_read_bytes`) and multiplies at the faster of the two measured matmul rates (the engine's products
+        above a few rows are bf16 on a CPU with AMX): the ceiling the runtime's own arithmetic is held to."""
+        step_s = max(read_bytes / self.read_bandwidth, batch * 2 * parameters / max(self.flops, self.bf16_flops))
         return batch / step_s
 
 
@@ -243,16 +254,20 @@ def measure_machine(repeats: int = 5) -> MachineCeiling:
     import torch
 
     a = torch.randn(2048, 2048)
+    half = a.bfloat16()
     big = torch.ones(128 * 2**20)  # 512 MiB
-    best_mm = best_read = float("inf")
+    best_mm = best_half = best_read = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         a @ a
         best_mm = min(best_mm, time.perf_counter() - began)
         began = time.perf_counter()
+        half @ half
+        best_half = min(best_half, time.perf_counter() - began)
+        began = time.perf_counter()
         big.sum()
         best_read = min(best_read, time.perf_counter() - began)
-    return MachineCeiling(2 * 2048**3 / best_mm, big.numel() * big.element_size() / best_read)
+    return MachineCeiling(2 * 2048**3 / best_mm, big.numel() * big.element_size() / best_read, 2 * 2048**3 / best_half)
 
 
 def grid_read_bytes(weights: Iterable[Any]) -> int:
@@ -278,14 +293,17 @@ def step_weights(model: Any) -> list[Any]:
 def machine_line(ceiling: MachineCeiling, parameters: int, parallel: Sequence[int],
                  grid_bytes: int | None = None) -> str:
     """The machine's ceilings and the roofline bounds they put on decoding: for fp32 parameters at each parallel
-    count and, given `grid_bytes` (`grid_read_bytes`), at one row for the weights as the grid products read them."""
+    count and, given `grid_bytes` (`grid_read_bytes`), for the engine's own weights and arithmetic
+    (`MachineCeiling.engine_tokens_per_s`)."""
     bound = ", ".join(f"{p}: {ceiling.decode_tokens_per_s(p, parameters):.0f}" for p in parallel)
     as_read = "" if grid_bytes is None else (
-        f"; read from its grids ({grid_bytes / 1e6:.0f} MB a step), at 1: "
-        f"{ceiling.read_bandwidth / grid_bytes:.0f}")
+        f"; as the engine reads them ({grid_bytes / 1e6:.0f} MB a step, its grids) and multiplies (the faster "
+        f"matmul), tok/s at " + ", ".join(f"{p}: {ceiling.engine_tokens_per_s(p, parameters, grid_bytes):.0f}"
+                                           for p in parallel))
     return (f"machine: {cpu_summary()}; torch {torch_threads()} threads: fp32 matmul {ceiling.flops / 1e9:.0f} "
-            f"GFLOP/s, memory read {ceiling.read_bandwidth / 1e9:.1f} GB/s; roofline decode bound for "
-            f"{parameters / 1e6:.0f}M fp32 parameters, tok/s at {bound}{as_read}")
+            f"GFLOP/s, bf16 matmul {ceiling.bf16_flops / 1e9:.0f} GFLOP/s, memory read "
+            f"{ceiling.read_bandwidth / 1e9:.1f} GB/s; roofline decode bound for {parameters / 1e6:.0f}M fp32 "
+            f"parameters, tok/s at {bound}{as_read}")
 
 
 def torch_threads() -> int:
@@ -302,19 +320,25 @@ def step_column(split: StepSplit | None) -> str:
 
 
 BENCH_COLUMNS = (Column("parallel"), Column("arm"), Column("tok/s median [min-max]"), Column("vs hf"),
-                 Column("of torch loop"), Column("first token s"),
+                 Column("of torch loop"), Column("of engine bound"), Column("first token s"),
                  Column("decode step: forward / sampling / loop", align="<"))
 
 
-def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple[str, int], StepSplit | None]) -> str:
+def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple[str, int], StepSplit | None],
+                bounds: dict[int, float] | None = None) -> str:
+    """The bench's table; `bounds`: the engine's roofline bound in tok/s at each parallel count
+    (`MachineCeiling.engine_tokens_per_s`), each SGLang arm's rounds as shares of it."""
     rates = {key: [sample.tokens_per_s for sample in values] for key, values in samples.items()}
     rows = []
     for p, arm, rate, vs_hf in summary_rows(rates, HF_ARM):
         torch_rates = rates.get((TORCH_ARM, p))
         of_torch = ("-" if torch_rates is None or arm == TORCH_ARM else
                     median_range([a / b for a, b in zip(rates[arm, p], torch_rates)], ".2f", suffix="x"))
+        bound = (bounds or {}).get(p)
+        of_bound = ("-" if bound is None or arm in (HF_ARM, TORCH_ARM) else
+                    median_range([rate / bound for rate in rates[arm, p]], ".2f"))
         first = median_range([sample.first_token_s for sample in samples[arm, p]], ".2f")
-        rows.append([str(p), arm, rate, vs_hf, of_torch, first, step_column(splits.get((arm, p)))])
+        rows.append([str(p), arm, rate, vs_hf, of_torch, of_bound, first, step_column(splits.get((arm, p)))])
     return console_table(BENCH_COLUMNS, rows)
 
 
@@ -323,8 +347,9 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
               max_total_tokens: int = 16384, temperature: float = 0.0, hf_dtype: str = "float32") -> int:
     """Start every arm's runtime (`arms`, default one arm 'default' with the CPU defaults), then measure each
     arm, HF generate and the bare torch forward loop at each parallel request count, `repeats` interleaved
-    rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, time to
-    first token, the decode step's split from the scheduler's own step trace) and the fork cache check. HF and
+    rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, share of the
+    engine's bound, time to first token, the decode step's split from the scheduler's own step trace) and the fork
+    cache check. HF and
     the torch loop run the model in `hf_dtype` (float32, or bfloat16 to hold bf16 arms against a bf16 model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -370,7 +395,9 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
             first.model_path, dtype=torch.float32)  # grids are found on fp32 weights (bf16 ones are off them)
         grid_bytes = grid_read_bytes(step_weights(fp32_model))
         del fp32_model
-        print(machine_line(measure_machine(), parameters, parallel, grid_bytes), flush=True)
+        ceiling = measure_machine()
+        print(machine_line(ceiling, parameters, parallel, grid_bytes), flush=True)
+        bounds = {p: ceiling.engine_tokens_per_s(p, parameters, grid_bytes) for p in parallel}
         measures: dict[str, Callable[[int], Sample]] = {}
         for name, runtime in runtimes.items():
             sglang_tokens_per_s(runtime.url, prompts[:2], 4)  # warm-up
@@ -391,7 +418,7 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
     splits = {(arm.name, p): step_split(read_trace(str(traces[arm.name])), max(1, p // arm.ranks))
               if traces[arm.name].exists() else None for arm in arms for p in parallel}
     print()
-    print(bench_table(samples, splits))
+    print(bench_table(samples, splits, bounds))
     for arm in arms:
         print(f"  {arm.name}: {arm.describe()}")
     decoding = f"sampled at temperature {temperature}" if temperature > 0 else "greedy"
