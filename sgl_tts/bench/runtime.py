@@ -336,7 +336,7 @@ def bench_table(samples: dict[tuple[str, int], list[Sample]], splits: dict[tuple
                     median_range([a / b for a, b in zip(rates[arm, p], torch_rates)], ".2f", suffix="x"))
         bound = (bounds or {}).get(p)
         of_bound = ("-" if bound is None or arm in (HF_ARM, TORCH_ARM) else
-                    median_range([rate / bound for rate in rates[arm, p]], ".2f"))
+                    median_range([value / bound for value in rates[arm, p]], ".2f"))
         first = median_range([sample.first_token_s for sample in samples[arm, p]], ".2f")
         rows.append([str(p), arm, rate, vs_hf, of_torch, of_bound, first, step_column(splits.get((arm, p)))])
     return console_table(BENCH_COLUMNS, rows)
@@ -349,8 +349,8 @@ def run_bench(*, model: str = "smollm2-135m", new_tokens: int = 64, parallel: Se
     arm, HF generate and the bare torch forward loop at each parallel request count, `repeats` interleaved
     rounds; print the machine's ceiling, the table (tokens/s, ratios to HF and to the torch loop, share of the
     engine's bound, time to first token, the decode step's split from the scheduler's own step trace) and the fork
-    cache check. HF and
-    the torch loop run the model in `hf_dtype` (float32, or bfloat16 to hold bf16 arms against a bf16 model)."""
+    cache check. HF and the torch loop run the model in `hf_dtype` (float32, or bfloat16 to hold bf16 arms against a
+    bf16 model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
