@@ -227,11 +227,31 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
   }
 }
 
+// The pairs of output tiles first .. last - 1, whose tiles start at `tiles_of_first` (K / 32 groups a tile): each
+// block of 32 rows passes every pair, so the rows' tiles stay in L1 while the pairs' weight stays in L2; the first
+// block prefetches the weight ahead where `prefetch` (a first pass reads it from memory).
+template <typename Between>
+void pass_pairs(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* tiles_of_first, int64_t first,
+                int64_t last, int64_t tiles, float* y, float* scratch, bool prefetch, Between& between) {
+  const int64_t groups = columns / kTileDepth, outputs = tiles * kTileRows;
+  for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t t = 2 * pair;
+      const uint16_t* b0 = tiles_of_first + (t - 2 * first) * groups * kTileElements;
+      if (t + 1 < tiles) {
+        block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, prefetch && row == 0, between);
+      } else {
+        block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, prefetch && row == 0, between);
+      }
+    }
+  }
+}
+
 // y [rows, N] = bf16 x [padded rows, K] (whole blocks of 32 rows) times the packed weight [N / 16, K / 32, 16, 32].
-// The pairs of output tiles go by chunks of about kChunkBytes of weight: per chunk, each block of 32 rows passes
-// every pair of the chunk, so the rows' tiles stay in L1 while the chunk's weight (read from memory once) stays in L2.
+// The pairs of output tiles go by chunks of about kChunkBytes of weight (`pass_pairs`), the chunk's weight read from
+// memory once.
 void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* packed, int64_t tiles, float* y) {
-  const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows, groups = columns / kTileDepth;
+  const int64_t pairs = (tiles + 1) / 2, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -240,18 +260,8 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
     alignas(64) float scratch[kTileRows * kTileRows];
     auto nothing = [] {};
     for (int64_t first = begin; first < end; first += chunk) {
-      const int64_t last = std::min(end, first + chunk);
-      for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
-        for (int64_t pair = first; pair < last; ++pair) {
-          const int64_t t = 2 * pair;
-          const uint16_t* b0 = packed + t * groups * kTileElements;
-          if (t + 1 < tiles) {
-            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0, nothing);
-          } else {
-            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, row == 0, nothing);
-          }
-        }
-      }
+      pass_pairs(a, rows, columns, packed + 2 * first * groups * kTileElements, first, std::min(end, first + chunk),
+                 tiles, y, scratch, true, nothing);
     }
     _tile_release();
   });
@@ -263,7 +273,7 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
 // of 32) instead of 16. The first chunk is unpacked at once, every later one while the tiles multiply the one before.
 void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const uint8_t* packed,
                       const at::Half* scales, int bits, int64_t tiles, float* y) {
-  const int64_t pairs = (tiles + 1) / 2, outputs = tiles * kTileRows, groups = columns / kTileDepth;
+  const int64_t pairs = (tiles + 1) / 2, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes), blocks = (rows + 31) / 32;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -282,24 +292,13 @@ void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const ui
     unpacking.rest();
     auto between = [&] { unpacking.some(); };
     for (int64_t first = begin, which = 0; first < end; first += chunk, which ^= 1) {
-      const int64_t last = std::min(end, first + chunk), t0 = 2 * first;
-      const uint16_t* current = buffers[which];
+      const int64_t last = std::min(end, first + chunk);
       if (last < end) {
         unpacking.start(2 * last, tiles_from(last), buffers[which ^ 1], blocks * (last - first) * groups);
       } else {
         unpacking.start(0, 0, nullptr, 1);
       }
-      for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
-        for (int64_t pair = first; pair < last; ++pair) {
-          const int64_t t = 2 * pair;
-          const uint16_t* b0 = current + (t - t0) * groups * kTileElements;
-          if (t + 1 < tiles) {
-            block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false, between);
-          } else {
-            block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, false, between);
-          }
-        }
-      }
+      pass_pairs(a, rows, columns, buffers[which], first, last, tiles, y, scratch, false, between);
       unpacking.rest();
     }
     _tile_release();
@@ -322,14 +321,21 @@ void check_amx_weight(const torch::Tensor& packed, int64_t columns) {
               "an AMX weight: bfloat16 [N / 16, K / 32, 16, 32] contiguous, K of x");
 }
 
-// y = x W^T into y (rows x N fp32) for x [rows, K] fp32 (rows contiguous) and W's tiles.
-void amx_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor& packed, float* y) {
 #if defined(SGLTTS_AMX)
+// x [rows, K] fp32 rounded into the calling thread's buffer of whole blocks of 32 rows (`round_rows`).
+const uint16_t* rounded_blocks(const float* x, int64_t rows, int64_t columns) {
   const int64_t padded = (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   uint16_t* a = rounded_buffer(padded * columns);
   round_rows(x, rows, padded, columns, a);
-  amx_product(a, rows, columns, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0),
-              y);
+  return a;
+}
+#endif
+
+// y = x W^T into y (rows x N fp32) for x [rows, K] fp32 (rows contiguous) and W's tiles.
+void amx_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor& packed, float* y) {
+#if defined(SGLTTS_AMX)
+  amx_product(rounded_blocks(x, rows, columns), rows, columns,
+              reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0), y);
 #else
   TORCH_CHECK(false, "built without AMX");
 #endif
@@ -340,11 +346,8 @@ void amx_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor
 void amx_grid_into(const float* x, int64_t rows, int64_t columns, const torch::Tensor& packed,
                    const torch::Tensor& scales, float* y) {
 #if defined(SGLTTS_AMX)
-  const int64_t padded = (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  uint16_t* a = rounded_buffer(padded * columns);
-  round_rows(x, rows, padded, columns, a);
-  amx_grid_product(a, rows, columns, static_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
-                   scales.dim() == 4 ? 4 : 8, packed.size(0), y);
+  amx_grid_product(rounded_blocks(x, rows, columns), rows, columns, static_cast<const uint8_t*>(packed.data_ptr()),
+                   scales.data_ptr<at::Half>(), scales.dim() == 4 ? 4 : 8, packed.size(0), y);
 #else
   TORCH_CHECK(false, "built without AMX");
 #endif

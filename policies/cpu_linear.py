@@ -321,8 +321,13 @@ def sixteen_bit_x(x: Any) -> tuple[Any, Any]:
 def grid_linear(x: Any, tiles: tuple[Any, Any], bias: Any = None) -> Any:
     """fp32 x [..., K] times the weight of `tiles` (`grid_tiles`) transposed, in fp32, plus bias."""
     kernels = grid_kernels()
-    product = kernels.four_bit_linear if grid_bits(tiles) == 4 else kernels.eight_bit_linear
-    out = product(x.reshape(-1, x.shape[-1]).contiguous(), *tiles)
+    return on_rows(kernels.four_bit_linear if grid_bits(tiles) == 4 else kernels.eight_bit_linear, x, bias, *tiles)
+
+
+def on_rows(product: Callable[..., Any], x: Any, bias: Any, *weight: Any) -> Any:
+    """`product(rows, *weight)` of a compiled kernel ([M, K] contiguous fp32 rows -> [M, N]) on x [..., K], as
+    [..., N], plus bias."""
+    out = product(x.reshape(-1, x.shape[-1]).contiguous(), *weight)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
@@ -417,18 +422,14 @@ def amx_weight(module: Any) -> Any:
 def amx_linear(x: Any, tiles: Any, bias: Any = None) -> Any:
     """fp32 x [..., K] rounded to bf16, times the bf16 weight of `tiles` (`amx_tiles`) transposed, summed and
     returned in fp32, plus bias."""
-    out = amx_kernels().amx_linear(x.reshape(-1, x.shape[-1]).contiguous(), tiles)
-    out = out.reshape(*x.shape[:-1], out.shape[-1])
-    return out if bias is None else out + bias
+    return on_rows(amx_kernels().amx_linear, x, bias, tiles)
 
 
 def amx_grid_linear(x: Any, tiles: tuple[Any, Any], bias: Any = None) -> Any:
     """fp32 x [..., K] rounded to bf16, times the weight of `tiles` (`grid_tiles`) on AMX's tiles: unpacked to bf16
     a chunk at a time (d q + m rounded to bf16, as `amx_tiles` rounds the fp32 weight), summed and returned in fp32,
     plus bias."""
-    out = amx_kernels().amx_grid_linear(x.reshape(-1, x.shape[-1]).contiguous(), *tiles)
-    out = out.reshape(*x.shape[:-1], out.shape[-1])
-    return out if bias is None else out + bias
+    return on_rows(amx_kernels().amx_grid_linear, x, bias, *tiles)
 
 
 def bf16_packed_linear(x: Any, packed_bf16: Any, bias: Any = None) -> Any:
