@@ -7,7 +7,8 @@
 //     C[m][n] += sum_p A[m][2p] B[p][2n] + A[m][2p + 1] B[p][2n + 1]
 // so the weight [N, K] is kept as tiles of 16 outputs by 32 along K (cpu_linear.amx_tiles):
 //     packed bf16 [N / 16, K / 32, 16, 32]:  [t, g, p, 2l + j] = W[16t + l, 32g + 2p + j]
-// A block is 32 rows by 32 outputs: two A tiles, two B tiles, four C tiles (the 8 tile registers). The pairs of
+// A block is 32 rows by 32 outputs: two A tiles, two B tiles, four C tiles (the 8 tile registers); a call of at most
+// 16 rows takes one A tile of its rows and two C tiles, half the tile products (`Narrow`). The pairs of
 // output tiles are split over the threads and taken a chunk of ~512 KB of weight at a time; each block of rows
 // passes every pair of the chunk, so the block's x (36 KB at K = 576) stays in L1 and the chunk's weight, read from
 // memory once (the first block prefetching it 8 groups of K ahead), stays in L2 for the other blocks of rows.
@@ -62,13 +63,14 @@ bool amx_ready() {
   return ready;
 }
 
-// Palette 1 with tiles 0-7 of 16 rows by 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7.
+// Palette 1 with tiles 0-7 of 64 bytes a row: C tiles 0-3 and A tiles 4-5 of `x_rows` rows (16, or a call's rows
+// where they fit one A tile: its blocks are `Narrow`, below), B tiles 6-7 of 16.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) bytes_per_row[i] = 64, rows[i] = kTileRows;
+  explicit TileConfig(int64_t x_rows) {
+    for (int i = 0; i < 8; ++i) bytes_per_row[i] = 64, rows[i] = i < 6 ? static_cast<uint8_t>(x_rows) : kTileRows;
   }
 };
 
@@ -101,33 +103,27 @@ inline void copy_rows(const float* scratch, float* y, int64_t stride, int64_t ro
     copy_rows(scratch, y, outputs, ROW, rows, COLUMN);                                         \
   }
 
-// Lane orders of the unpacking below: even[0], odd[0], even[1], odd[1], ... of outputs 0-7 (kLowPairs) and 8-15
-// (kHighPairs), as _mm512_permutex2var_epi32 reads them (an index of 16 + i takes the second vector's lane i); a
-// scale of output l in lanes 2l and 2l + 1 (kLowScales, kHighScales).
-alignas(64) constexpr int32_t kLowPairs[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-alignas(64) constexpr int32_t kHighPairs[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-alignas(64) constexpr int32_t kLowScales[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-alignas(64) constexpr int32_t kHighScales[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+// The word order of a tile row from _mm512_cvtne2ps_pbh(odd, even) (even's 16 bf16, then odd's): output l's pair
+// (2l, 2l + 1) is words l and 16 + l.
+alignas(64) constexpr int16_t kPairWords[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // Group g (32 along K) of tile t of a weight on a 4- or 8-bit grid (cpu_linear.grid_tiles' layout: q of 16 outputs
 // side by side, fp16 d and m per output and group) as the bf16 tile amx_product reads, into `tile` [16, 32]: w = d q
 // + m in fp32 (one rounding), then rounded to bf16 (nearest, ties to even), as amx_tiles rounds the fp32 weight. A
 // row p of the tile holds the pairs (2p, 2p + 1) along K of the 16 outputs, which the grid keeps in one 16-byte vector
-// at 4 bits (low and high nibble) and in two at 8 bits (k and k + 1): widened to 32-bit lanes, interleaved by one
-// permutation for outputs 0-7 and one for 8-15.
+// at 4 bits (low and high nibble) and in two at 8 bits (k and k + 1): widened to 32-bit lanes (output l in lane l, as
+// its d and m), computed and rounded as two vectors of 16, then their words interleaved by one permutation.
 template <int Bits>
 inline void unpack_group(const uint8_t* packed, const at::Half* scales, int64_t columns, int64_t t, int64_t g,
                          uint16_t* tile) {
   const int64_t groups = columns / kTileDepth;
-  const __m512i low_pairs = _mm512_load_si512(kLowPairs), high_pairs = _mm512_load_si512(kHighPairs);
-  const __m512i low_scales = _mm512_load_si512(kLowScales), high_scales = _mm512_load_si512(kHighScales);
+  const __m512i pair_words = _mm512_load_si512(kPairWords);
   constexpr int64_t kScalesPerGroup = (Bits == 4 ? 2 : 1) * kTileRows;  // d (and m) of 16 outputs
   const at::Half* s = scales + (t * groups + g) * kScalesPerGroup;
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
   const __m512 m = Bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)))
                              : _mm512_setzero_ps();
-  const __m512 d_low = _mm512_permutexvar_ps(low_scales, d), d_high = _mm512_permutexvar_ps(high_scales, d);
-  const __m512 m_low = _mm512_permutexvar_ps(low_scales, m), m_high = _mm512_permutexvar_ps(high_scales, m);
   // The q and scales kPrefetchGroups groups on, into cache: a tile's groups, and the tiles, lie one after the other
   // (past the last tile: a hint, never a fault).
   constexpr int64_t kGroupBytes = kTileRows * kTileDepth * Bits / 8;
@@ -146,12 +142,10 @@ inline void unpack_group(const uint8_t* packed, const at::Half* scales, int64_t 
       even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
       odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + kTileRows)));
     }
-    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, low_pairs, odd)), d_low,
-                                       m_low);
-    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(even, high_pairs, odd)),
-                                        d_high, m_high);
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(high, low);
-    _mm512_storeu_si512(tile + p * kTileDepth, reinterpret_cast<const __m512i&>(pairs));
+    const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), d, m),
+                                               _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), d, m));
+    _mm512_storeu_si512(tile + p * kTileDepth,
+                        _mm512_permutexvar_epi16(pair_words, reinterpret_cast<const __m512i&>(words)));
   }
 }
 
@@ -188,8 +182,10 @@ struct Unpacking {
 };
 
 // One block of 32 rows (from `row`) by 16 Outputs x 16 outputs (the weight's tiles from b0, y's columns from
-// `column`): C = A B over all of K, `between()` called after each group's tile products are issued.
-template <int Outputs, typename Between>
+// `column`): C = A B over all of K, `between()` called after each group's tile products are issued. `Narrow`: x's
+// rows (at most 16) are one A tile of as many rows, and the block is those rows alone: half the tile products of a
+// block of 32.
+template <int Outputs, bool Narrow, typename Between>
 inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows, const uint16_t* b0, int64_t column,
                   float* y, int64_t outputs, float* scratch, bool prefetch, Between& between) {
   const int64_t groups = columns / kTileDepth, a_stride = columns * sizeof(uint16_t);
@@ -198,8 +194,10 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
   const uint16_t* b1 = b0 + groups * kTileElements;
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (!Narrow) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t g = 0; g < groups; ++g) {
     if (prefetch) {  // the weight's tiles kPrefetchGroups groups on, into cache: a first pass reads them from memory
       const char* ahead = reinterpret_cast<const char*>(b0 + (g + kPrefetchGroups) * kTileElements);
@@ -208,42 +206,58 @@ inline void block(const uint16_t* a, int64_t columns, int64_t row, int64_t rows,
                      _MM_HINT_T0);
     }
     _tile_loadd(4, a0 + g * kTileDepth, a_stride);
-    _tile_loadd(5, a1 + g * kTileDepth, a_stride);
+    if constexpr (!Narrow) _tile_loadd(5, a1 + g * kTileDepth, a_stride);
     _tile_loadd(6, b0 + g * kTileElements, kTileDepth * sizeof(uint16_t));
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (!Narrow) _tile_dpbf16ps(2, 5, 6);
     if constexpr (Outputs == 2) {
       _tile_loadd(7, b1 + g * kTileElements, kTileDepth * sizeof(uint16_t));
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
+      if constexpr (!Narrow) _tile_dpbf16ps(3, 5, 7);
     }
     between();
   }
-  SGLTTS_STORE(0, row, column)
-  SGLTTS_STORE(2, row + kTileRows, column)
-  if constexpr (Outputs == 2) {
-    SGLTTS_STORE(1, row, column + kTileRows)
-    SGLTTS_STORE(3, row + kTileRows, column + kTileRows)
+  if constexpr (Narrow) {  // C tiles of x's rows alone
+    _tile_stored(0, y + column, outputs * sizeof(float));
+    if constexpr (Outputs == 2) _tile_stored(1, y + column + kTileRows, outputs * sizeof(float));
+  } else {
+    SGLTTS_STORE(0, row, column)
+    SGLTTS_STORE(2, row + kTileRows, column)
+    if constexpr (Outputs == 2) {
+      SGLTTS_STORE(1, row, column + kTileRows)
+      SGLTTS_STORE(3, row + kTileRows, column + kTileRows)
+    }
   }
 }
 
 // The pairs of output tiles first .. last - 1, whose tiles start at `tiles_of_first` (K / 32 groups a tile): each
 // block of 32 rows passes every pair, so the rows' tiles stay in L1 while the pairs' weight stays in L2; the first
 // block prefetches the weight ahead where `prefetch` (a first pass reads it from memory).
-template <typename Between>
-void pass_pairs(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* tiles_of_first, int64_t first,
-                int64_t last, int64_t tiles, float* y, float* scratch, bool prefetch, Between& between) {
+template <bool Narrow, typename Between>
+void pass_pairs_of(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* tiles_of_first, int64_t first,
+                   int64_t last, int64_t tiles, float* y, float* scratch, bool prefetch, Between& between) {
   const int64_t groups = columns / kTileDepth, outputs = tiles * kTileRows;
   for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t t = 2 * pair;
       const uint16_t* b0 = tiles_of_first + (t - 2 * first) * groups * kTileElements;
+      const bool ahead = prefetch && row == 0;
       if (t + 1 < tiles) {
-        block<2>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, prefetch && row == 0, between);
+        block<2, Narrow>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, ahead, between);
       } else {
-        block<1>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, prefetch && row == 0, between);
+        block<1, Narrow>(a, columns, row, rows, b0, t * kTileRows, y, outputs, scratch, ahead, between);
       }
     }
+  }
+}
+
+template <typename Between>
+void pass_pairs(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* tiles_of_first, int64_t first,
+                int64_t last, int64_t tiles, float* y, float* scratch, bool prefetch, Between& between) {
+  if (rows <= kTileRows) {
+    pass_pairs_of<true>(a, rows, columns, tiles_of_first, first, last, tiles, y, scratch, prefetch, between);
+  } else {
+    pass_pairs_of<false>(a, rows, columns, tiles_of_first, first, last, tiles, y, scratch, prefetch, between);
   }
 }
 
@@ -255,7 +269,7 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
+    TileConfig config(std::min(rows, kTileRows));
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
     auto nothing = [] {};
@@ -277,7 +291,7 @@ void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const ui
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes), blocks = (rows + 31) / 32;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
+    TileConfig config(std::min(rows, kTileRows));
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
     const int64_t buffer = 2 * chunk * groups * kTileElements;  // one chunk's tiles

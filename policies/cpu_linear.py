@@ -139,6 +139,10 @@ TILE = 16  # outputs per tile of a grid weight (the kernel's vector lanes)
 # costs half the multiply-adds a row, and reads its grid up to GRID_ROWS_X16 rows (`most_grid_rows`).
 GRID_ROWS = {True: {4: 12, 8: 8}, False: {4: 32, 8: 24}}
 GRID_ROWS_X16 = {True: 32, False: 64}
+# The most rows at which a decoder product reads its grid by the grid kernel where AMX's grid product takes the rows
+# above (`amx_grid_linear`): its unpacking costs the same at 1-16 rows, the grid kernel's multiply-adds grow a row at
+# a time; they cross at 10-12 rows (module docstring).
+GRID_ROWS_BESIDE_AMX = 10
 GRID_TOLERANCE = 1e-3  # of a group's step d: how far from m + d q a weight on the grid may lie (fp32 rounding)
 GRID_KERNEL_SOURCE = Path(__file__).with_name("grid_linear.cpp")
 AMX_KERNEL_SOURCE = Path(__file__).with_name("amx_linear.cpp")
@@ -293,8 +297,11 @@ def grid_weight(module: Any) -> tuple[Any, Any] | None:
     return per_weight(module, _GRID_CACHE, grid_tiles)
 
 
-def most_grid_rows(bf16: bool, bits: int) -> int:
-    """The most rows at which a product reads a `bits`-bit weight from its grid (beside a bf16 copy with `bf16`)."""
+def most_grid_rows(bf16: bool, bits: int, on_amx: bool = False) -> int:
+    """The most rows at which a product reads a `bits`-bit weight from its grid by the grid kernel: beside a bf16 copy
+    with `bf16`, beside AMX's product from the same grid with `on_amx`."""
+    if on_amx:
+        return GRID_ROWS_BESIDE_AMX
     kernels = grid_kernels()
     if kernels is not None and kernels.x_bits == 16:
         return GRID_ROWS_X16[bf16]
@@ -449,7 +456,7 @@ def dense_linear(x: Any, module: Any, bias: Any = None, bf16: bool = False, grid
     if grids:
         tiles = grid_weight(module)  # found on the first call, whatever its rows
         rows = x.numel() // x.shape[-1]
-        if tiles is not None and rows <= most_grid_rows(bf16, grid_bits(tiles)):
+        if tiles is not None and rows <= most_grid_rows(bf16, grid_bits(tiles), on_amx):
             told_grid_read(rows, module)
             return grid_linear(x, tiles, bias)
         if tiles is not None and on_amx:

@@ -196,7 +196,7 @@ def build_step(model: Any, pool: Any, bf16: bool) -> CompiledStep | None:
         tiles = [grid_weight(linear) for linear in linears]
         if any(tile is None for tile in tiles):
             return None
-        rows += [most_grid_rows(bf16, grid_bits(tile)) for tile in tiles]
+        rows += [most_grid_rows(bf16, grid_bits(tile), on_amx) for tile in tiles]
         attention, attn = layer.self_attn, layer.self_attn.attn
         rotary = attention.rotary_emb
         step.add_layer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,

@@ -262,7 +262,9 @@ def test_grid_weights_are_read_at_a_few_rows_and_the_packed_copy_beyond(value, b
     heard = []
     cpu_linear.tell_grid_read(heard.append)
     sglang = lambda *args: "sglang"  # noqa: E731
-    most = {bits: cpu_linear.most_grid_rows(value in cpu_linear.BF16, bits) for bits in (4, 8)}
+    bf16 = value in cpu_linear.BF16
+    on_amx = bf16 and cpu_linear.amx_kernels() is not None  # a layer's rows above on AMX's tiles, from its grid
+    most = {4: cpu_linear.most_grid_rows(bf16, 4, on_amx), 8: cpu_linear.most_grid_rows(bf16, 8)}
     for rows in sorted({1, most[4], most[4] + 1, most[8], most[8] + 1}):
         x = torch.randn(rows, 576)
         from_grid = cpu_linear.grid_linear(x, cpu_linear.grid_weight(layer))
@@ -525,6 +527,7 @@ def test_a_quantized_model_decodes_from_its_grids_as_transformers_does(tiny_grid
     for ids, answer in zip(BF16_PROMPTS, served):
         generated = [token for _, token, _ in answer]
         got = torch.tensor([logprob for logprob, _, _ in answer])
-        fp32_prefills = linear == cpu_linear.PACKED_INT4 or len(ids) <= cpu_linear.most_grid_rows(True, 8)
+        fp32_prefills = linear == cpu_linear.PACKED_INT4 or len(ids) <= cpu_linear.most_grid_rows(
+            True, 4, cpu_linear.amx_kernels() is not None)
         torch.testing.assert_close(got, fp32_logprobs(model, ids, generated), atol=1e-3 if fp32_prefills else 2e-2,
                                    rtol=0)
