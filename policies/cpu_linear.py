@@ -67,7 +67,11 @@ which on a weight on its grid is the tiles' product to the bit (tests/test_cpu_l
 scales a weight (8 and 0.5 at 8 bits) from memory instead of 16, at 4-6 ms of one core's unpacking for one step's
 106M weights, done between the tile products of the chunk before; no bf16 tiles or oneDNN copy of the layer are kept
 (212 MB a rank for SmolLM2-135M). One step's decoder products on a 2-core Xeon with AMX, one thread: level with the
-bf16 tiles at 8-128 rows, and so is the runtime (docs/runtime-speed.md, "the grids on AMX's tiles").
+bf16 tiles at 8-128 rows, and so is the runtime (docs/runtime-speed.md, "the grids on AMX's tiles"). A call of at
+most 16 rows multiplies one A tile of its rows (a block of 32 padded rows took twice the tile products): the step's
+decoder products from the grids on the tiles then cost about the same at 1 to 16 rows, where the grid kernel's
+vector multiply-adds grow a row at a time, so beside AMX's grid product the grid kernel takes a decoder layer's
+products up to GRID_ROWS_BESIDE_AMX rows (docs/runtime-speed.md, "AMX's products of a few rows").
 
 Weights that a quantizer wrote are read from the bits it wrote them in, at a few rows. SmolLM2-135M ships as GGUF
 with its decoder layers in Q4_1 (each group of 32 weights along K is m + d q, q in 0..15, fp16 d and m; the
