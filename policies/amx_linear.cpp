@@ -265,6 +265,7 @@ void pass_pairs(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t
 // The pairs of output tiles go by chunks of about kChunkBytes of weight (`pass_pairs`), the chunk's weight read from
 // memory once.
 void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* packed, int64_t tiles, float* y) {
+  if (rows == 0) return;  // no tiles of 0 rows to configure
   const int64_t pairs = (tiles + 1) / 2, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
@@ -287,6 +288,7 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
 // of 32) instead of 16. The first chunk is unpacked at once, every later one while the tiles multiply the one before.
 void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const uint8_t* packed,
                       const at::Half* scales, int bits, int64_t tiles, float* y) {
+  if (rows == 0) return;
   const int64_t pairs = (tiles + 1) / 2, groups = columns / kTileDepth;
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes), blocks = (rows + 31) / 32;
