@@ -179,6 +179,23 @@ def test_a_weight_on_an_eight_bit_grid_is_found_exactly_and_others_are_not():
     assert cpu_linear.four_bit_grid(rounded) is None  # 255 levels are not 16
 
 
+def test_grid_tiles_judge_the_whole_weight_not_its_first_rows():
+    """`grid_tiles` tries each grid on a weight's first 16 rows before the whole weight: rows past them decide too.
+    A weight whose first 16 rows lie on both grids (constant groups) and the rest on the 8-bit one gets 8-bit tiles;
+    a 4-bit weight with one weight off its grid past the first rows, and an 8-bit one likewise, get none."""
+    four, _ = four_bit_layer(48, 96)
+    eight, _ = eight_bit_layer(48, 96)
+    mixed = eight.weight.clone()
+    mixed[:16] = 127 / 512  # each group one value: d = 0 on the 4-bit grid, d = 2^-9 and q = 127 on the 8-bit one
+    assert cpu_linear.four_bit_grid(mixed[:16]) is not None and cpu_linear.four_bit_grid(mixed) is None
+    tiles = cpu_linear.grid_tiles(mixed)
+    assert cpu_linear.grid_bits(tiles) == 8 and torch.equal(unpacked(tiles).float(), mixed)
+    for weight in (four.weight, eight.weight):
+        off = weight.clone()
+        off[40, 50] += 1e-3 * off[40].abs().max()
+        assert cpu_linear.grid_tiles(weight) is not None and cpu_linear.grid_tiles(off) is None
+
+
 def unpacked(tiles: tuple) -> torch.Tensor:
     """The weight [N, K] that `grid_tiles` laid out, rebuilt from the layout alone (float64)."""
     packed, scales = tiles
