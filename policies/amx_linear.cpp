@@ -63,14 +63,15 @@ bool amx_ready() {
   return ready;
 }
 
-// Palette 1 with tiles 0-7 of 64 bytes a row: C tiles 0-3 and A tiles 4-5 of `x_rows` rows (16, or a call's rows
-// where they fit one A tile: its blocks are `Narrow`, below), B tiles 6-7 of 16.
+// Palette 1 with tiles 0-7 of 64 bytes a row, for a call of `x_rows` rows: C tiles 0-3 and A tiles 4-5 of 16 rows,
+// or of the call's rows where they fit one A tile (its blocks are `Narrow`, below); B tiles 6-7 of 16.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
   explicit TileConfig(int64_t x_rows) {
-    for (int i = 0; i < 8; ++i) bytes_per_row[i] = 64, rows[i] = i < 6 ? static_cast<uint8_t>(x_rows) : kTileRows;
+    const auto a_rows = static_cast<uint8_t>(std::min(x_rows, kTileRows));
+    for (int i = 0; i < 8; ++i) bytes_per_row[i] = 64, rows[i] = i < 6 ? a_rows : kTileRows;
   }
 };
 
@@ -261,8 +262,8 @@ void pass_pairs(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t
   }
 }
 
-// y [rows, N] = bf16 x [padded rows, K] (whole blocks of 32 rows) times the packed weight [N / 16, K / 32, 16, 32].
-// The pairs of output tiles go by chunks of about kChunkBytes of weight (`pass_pairs`), the chunk's weight read from
+// y [rows, N] = bf16 x [padded rows, K] (`rounded_blocks`) times the packed weight [N / 16, K / 32, 16, 32]. The
+// pairs of output tiles go by chunks of about kChunkBytes of weight (`pass_pairs`), the chunk's weight read from
 // memory once.
 void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_t* packed, int64_t tiles, float* y) {
   if (rows == 0) return;  // no tiles of 0 rows to configure
@@ -270,7 +271,7 @@ void amx_product(const uint16_t* a, int64_t rows, int64_t columns, const uint16_
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config(std::min(rows, kTileRows));
+    TileConfig config(rows);
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
     auto nothing = [] {};
@@ -293,7 +294,7 @@ void amx_grid_product(const uint16_t* a, int64_t rows, int64_t columns, const ui
   const int64_t pair_bytes = 2 * kTileRows * columns * sizeof(uint16_t);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / pair_bytes), blocks = (rows + 31) / 32;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config(std::min(rows, kTileRows));
+    TileConfig config(rows);
     _tile_loadconfig(&config);
     alignas(64) float scratch[kTileRows * kTileRows];
     const int64_t buffer = 2 * chunk * groups * kTileElements;  // one chunk's tiles
@@ -338,9 +339,11 @@ void check_amx_weight(const torch::Tensor& packed, int64_t columns) {
 }
 
 #if defined(SGLTTS_AMX)
-// x [rows, K] fp32 rounded into the calling thread's buffer of whole blocks of 32 rows (`round_rows`).
+// x [rows, K] fp32 rounded into the calling thread's buffer of whole blocks of 32 rows (`round_rows`); a call of
+// at most 16 rows, whose one A tile holds its rows alone (`Narrow`), is not padded.
 const uint16_t* rounded_blocks(const float* x, int64_t rows, int64_t columns) {
-  const int64_t padded = (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  const int64_t padded =
+      rows <= kTileRows ? rows : (rows + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   uint16_t* a = rounded_buffer(padded * columns);
   round_rows(x, rows, padded, columns, a);
   return a;
