@@ -64,6 +64,35 @@ def test_a_child_becomes_the_module_with_the_requests_environment_folder_output_
     assert not owner_zygote.folder.exists()
 
 
+@pytest.mark.parametrize("forked", [True, False], ids=["zygote", "direct"])
+def test_a_runtimes_environment_imports_its_pythonpath_before_the_working_folder(tmp_path, monkeypatch, forked):
+    """`server_env` sets Python's safe path: a module on the runtime's PYTHONPATH wins over one of the same name in
+    the working folder (a checkout there, where `python -m` alone would import the working folder's), forked by a
+    zygote or started directly; without it the working folder's wins, as `python -m` has it."""
+    here, there = tmp_path / "working", tmp_path / "elsewhere"
+    for folder in (here, there):
+        folder.mkdir()
+        (folder / "zygote_report.py").write_text(REPORT.replace('"name": __name__', f'"name": "{folder.name}"'))
+    monkeypatch.chdir(here)
+    safe = server_env(RuntimeConfig(model="unused", device="cuda"))
+    assert safe[zygote.SAFE_PATH] == "1"
+    for env, expected in ((dict(os.environ, PYTHONPATH=str(there), **{zygote.SAFE_PATH: "1"}), "elsewhere"),
+                          (dict({k: v for k, v in os.environ.items() if k != zygote.SAFE_PATH},
+                                PYTHONPATH=str(there)), "working")):
+        log = tmp_path / f"{expected}.log"
+        argv = [sys.executable, "-m", "zygote_report", "0"]
+        if forked:
+            owner_zygote = zygote.Zygote(env, preload=())
+            try:
+                assert owner_zygote.fork(argv, env, log).wait(timeout=120) == 0
+            finally:
+                owner_zygote.stop()
+        else:
+            with open(log, "w") as output:
+                assert subprocess.run(argv, env=env, stdout=output, timeout=120).returncode == 0
+        assert report(log)["name"] == expected
+
+
 def test_a_killed_child_reports_its_signal_and_a_slow_one_times_out(child_folder, monkeypatch):
     monkeypatch.chdir(child_folder)
     owner_zygote = zygote.Zygote(dict(os.environ), preload=())

@@ -237,6 +237,10 @@ def kv_pool_dtype(config: RuntimeConfig) -> str | None:
 
 def server_env(config: RuntimeConfig) -> dict[str, str]:
     env = dict(os.environ)
+    # The runtime imports from its PYTHONPATH and this environment's packages, not from a checkout in the working
+    # folder, which `python -m` would put first on its path: an arm or a generator given `PYTHONPATH=<another
+    # checkout>` runs that checkout's code wherever the command runs from.
+    env[zygote.SAFE_PATH] = "1"
     if config.device == "cpu":
         from sgl_tts.runtime.cpu_shim import shim_dir
 

@@ -58,6 +58,7 @@ READ_LATER = frozenset({"OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", "PYTES
                         env_names.POLICY_TRACE, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_LAYERS,
                         env_names.CPU_DECODE, env_names.CPU_SAMPLING, env_names.DP_PLACEMENT, env_names.CORE_LENDING,
                         env_names.STEP_TRACE})
+SAFE_PATH = "PYTHONSAFEPATH"  # Python's (3.11, `python -P`): no working folder first on a process's path
 OFF = "off"  # $SGLTTS_RUNTIME_ZYGOTE=off: every runtime started the usual way
 
 
@@ -279,7 +280,8 @@ def become(request: dict[str, Any]) -> None:
     argv = request["argv"]
     module = argv[argv.index("-m") + 1]
     sys.argv = [argv[0], *argv[argv.index("-m") + 2:]]
-    sys.path[0] = request["cwd"]  # where `python -m` looks first
+    if not os.environ.get(SAFE_PATH):  # where `python -m` looks first, unless told not to
+        sys.path[0] = request["cwd"]
     # The child keeps the zygote's command line (ps shows `-m sgl_tts.runtime.zygote`): a new title would blank
     # the memory /proc/<pid>/environ reads, where a runtime's environment is looked up (sgl_tts.testing).
     runpy.run_module(module, run_name="__main__", alter_sys=True)
