@@ -1,6 +1,6 @@
-// A Llama decode step whose every projection reads its weight from a 4- or 8-bit grid, as one call: the loop of
-// policies/lean_decode.py (its docstring has the arithmetic) over the same kernels, without a Python call between
-// them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-32 rows of a search's step
+// A Llama decode step (or extend: each request's new tokens after its cached prefix) whose every projection reads its
+// weight from a 4- or 8-bit grid, as one call: the loop of policies/lean_decode.py (its docstring has the arithmetic)
+// over the same kernels, without a Python call between them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-32 rows of a search's step
 // the lean step's ~14 Python calls a layer (the kernels' and torch's dispatch, tensor views, attribute reads) cost
 // about as much as its arithmetic; here they are C++ calls, and the step's buffers are allocated once a step and
 // written in place: the residual and norms a row at a time (rms_norm_row), q and k rotated in place (rotate_head),
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 
 namespace {
 
@@ -159,9 +160,12 @@ class DecodeStep {
   // Python interpreter's lock, which the step otherwise leaves to other threads; the residual is a copy). Returns
   // the final norm's output [B, H]. The step's buffers are allocated once a call and written in place; the
   // arithmetic is the kernels' of the Python loop (policies/lean_decode.py), in its order.
+  // A decode step (extend_lens none: a row a sequence, its last position) or an extend (sequence b's last
+  // extend_lens[b] positions, its new tokens, in order), on rows [tokens, H] of the embedded tokens.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& positions, const torch::Tensor& out_cache_loc,
                         const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
-                        const torch::Tensor& seq_lens, const std::vector<int64_t>& capture_layers,
+                        const torch::Tensor& seq_lens, const std::optional<torch::Tensor>& extend_lens,
+                        const std::vector<int64_t>& capture_layers,
                         const std::function<void(int64_t, torch::Tensor)>& capture, int64_t grid_rows) const {
     TORCH_CHECK(!layers_.empty(), "a step without layers");
     const Layer& first = layers_[0];
@@ -173,13 +177,16 @@ class DecodeStep {
     const auto slots = out_cache_loc.to(torch::kLong).contiguous();
     const auto pools = req_pool_indices.to(torch::kLong).contiguous();
     const auto lengths = seq_lens.to(torch::kLong).contiguous();
-    TORCH_CHECK(at_positions.numel() == rows && slots.numel() == rows && pools.numel() == rows &&
-                    lengths.numel() == rows,
-                "one position, slot, request and length a row");
+    const auto extends = extend_lens.has_value() ? extend_lens->to(torch::kLong).contiguous() : torch::Tensor();
+    const int64_t batch = pools.numel();
+    TORCH_CHECK(at_positions.numel() == rows && slots.numel() == rows, "one position and slot a row");
+    TORCH_CHECK(lengths.numel() == batch && (extends.defined() ? extends.numel() == batch : batch == rows),
+                "one length (and extend length) a request; a decode step's request a row");
     const int64_t* position = at_positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
-    std::vector<int64_t> sequence_of, position_of;  // one token a sequence: its last position
-    place_rows(lengths.data_ptr<int64_t>(), nullptr, rows, rows, sequence_of, position_of);
+    std::vector<int64_t> sequence_of, position_of;
+    place_rows(lengths.data_ptr<int64_t>(), extends.defined() ? extends.data_ptr<int64_t>() : nullptr, batch, rows,
+               sequence_of, position_of);
     for (const auto& layer : layers_)
       for (int64_t r = 0; r < rows; ++r)
         TORCH_CHECK(position[r] >= 0 && position[r] < layer.cos_sin_cache.size(0), "a position past the cos_sin_cache");

@@ -35,9 +35,11 @@ mixed and speculative batches and anything else go to SGLang's forward. A layer 
 taken only when that hook also left the capture it needs (`CAPTURE`, a callable(residual, forward_batch);
 policies/probe_readout.py leaves one), else the whole step goes to SGLang.
 
-Where every projection reads its weight from a 4- or 8-bit grid at this step's rows (`$SGLTTS_CPU_LINEAR=packed-int4`
-or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs compiled (`policies/decode_step.cpp`: the
-same kernel calls in C++, one Python call a step and one a capture); with `packed-bf16-int4` on a CPU with AMX it
+Where every projection reads its weight from a 4- or 8-bit grid at this step's rows
+(`$SGLTTS_CPU_LINEAR=packed-int4` or `packed-bf16-int4`, at most `cpu_linear.most_grid_rows`), the loop runs
+compiled (`policies/decode_step.cpp`: the same kernel calls in C++, one Python call a step and one a capture), a
+decode step or an extend alike (a search's short extends, a step's text or a verifier's read of 2-3 tokens: 22.3 ->
+10.5 ms median forward, docs/runtime-speed.md, "extends compiled"); with `packed-bf16-int4` on a CPU with AMX it
 runs compiled at any rows, the products above the grids' rows on AMX's tiles, unpacked from the same grids
 (`cpu_linear.amx_grid_linear`, as the Python loop computes them); else in Python;
 $SGLTTS_CPU_DECODE=lean-python keeps it in Python at every step (to measure the one against the other).
@@ -281,9 +283,10 @@ def compiled_forward(compiled: CompiledStep, model: Any, input_ids: Any, positio
     if len(input_ids) <= compiled.grid_rows:
         told_grid_read(len(input_ids), projections(model.layers[0])[0])
     captured = [index for index, capture in enumerate(layer_captures) if capture is not None]
+    extend_lens = None if forward_batch.forward_mode.is_decode() else forward_batch.extend_seq_lens
     return compiled.step.forward(
         model.embed_tokens(input_ids), positions.flatten().contiguous(), forward_batch.out_cache_loc, req_to_token,
-        forward_batch.req_pool_indices, forward_batch.seq_lens, captured,
+        forward_batch.req_pool_indices, forward_batch.seq_lens, extend_lens, captured,
         lambda index, residual: layer_captures[index](residual, forward_batch), compiled.grid_rows)
 
 
@@ -309,18 +312,18 @@ def make_forward_hook(bf16: bool, grids: bool = False, compiled: bool = True,
             if refusal(model) is not None:
                 tell(f"lean decode not taken: {refusal(model)}")
             return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
-        if compiled and grids and forward_batch.forward_mode.is_decode():
+        kind = "step" if forward_batch.forward_mode.is_decode() else "extend"
+        if compiled and grids:
             from sglang.srt.model_executor.forward_context import get_attn_backend
 
             backend = get_attn_backend()
             step = compiled_step(model, backend.token_to_kv_pool, bf16)
             if step is not None and len(input_ids) <= step.most_rows:
                 above = f", on AMX tiles above {step.grid_rows} rows" if len(input_ids) > step.grid_rows else ""
-                tell(f"lean decode took a compiled step ({len(model.layers)} layers{above})")
+                tell(f"lean decode took a compiled {kind} ({len(model.layers)} layers{above})")
                 return compiled_forward(step, model, input_ids, positions, forward_batch, layer_captures,
                                         backend.req_to_token_pool.req_to_token)
-        tell(f"lean decode took {'a step' if forward_batch.forward_mode.is_decode() else 'an extend'} "
-             f"({len(model.layers)} layers)")
+        tell(f"lean decode took {'a step' if kind == 'step' else 'an extend'} ({len(model.layers)} layers)")
         return lean_forward(model, input_ids, positions, forward_batch, layer_captures, bf16, grids)
 
     return forward

@@ -69,8 +69,8 @@ def test_the_compiled_step_decodes_and_records_margins_as_the_python_loop_does(t
                                                                                 tmp_path):
     """The tiny model on its grids, with the probe head, served twice with its products read from the grids: the
     compiled step (policies/decode_step.cpp, the default) and the same loop in Python ($SGLTTS_CPU_DECODE=
-    lean-python). The same kernels on the same inputs in the same order: one sequence at a time, the same tokens
-    with the same logprobs to the bit; a batch of sequences of different lengths, the same tokens, and logprobs
+    lean-python), decode steps and extends (the prompts, the margins' reads) alike. The same kernels on the same
+    inputs in the same order: one sequence at a time, the same tokens with the same logprobs to the bit; a batch of sequences of different lengths, the same tokens, and logprobs
     to fp32's precision (the requests join the batch at steps that vary from run to run, and the fp32 head sums a
     row in an order that depends on the rows beside it). The compiled step calls the head's capture at its layer:
     the same margins."""
@@ -90,8 +90,10 @@ def test_the_compiled_step_decodes_and_records_margins_as_the_python_loop_does(t
                                for ids, answer in zip(PROMPTS, batched[decode])]
             logs[decode] = runtime.log_path.read_text()
     assert "lean decode took a compiled step (2 layers)" in logs[lean_decode.LEAN]
-    assert "compiled step" not in logs[lean_decode.LEAN_PYTHON]
+    assert "lean decode took a compiled extend (2 layers)" in logs[lean_decode.LEAN]  # prompts and margins' reads
+    assert "took a compiled" not in logs[lean_decode.LEAN_PYTHON]
     assert "lean decode took a step (2 layers)" in logs[lean_decode.LEAN_PYTHON]
+    assert "lean decode took an extend (2 layers)" in logs[lean_decode.LEAN_PYTHON]
     for compiled, python in zip(alone[lean_decode.LEAN], alone[lean_decode.LEAN_PYTHON]):
         assert compiled["output_ids"] == python["output_ids"]
         assert compiled["meta_info"]["output_token_logprobs"] == python["meta_info"]["output_token_logprobs"]
@@ -165,6 +167,59 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
                        torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads, head_dim, head_dim ** -0.5)
 
 
+def test_a_compiled_extend_is_its_tokens_decoded_one_at_a_time():
+    """A one-layer step fed two sequences' new tokens as one extend (3 after a cached prefix of 2, and 4 from
+    nothing) writes the same keys and values and returns the same rows as the same tokens decoded one step at a
+    time (each attending to the tokens before it), to fp32's precision; and an extend length that does not add up to
+    the rows is refused."""
+    from policies import cpu_linear
+
+    kernel = lean_decode.step_kernel()
+    if kernel is None or cpu_linear.grid_kernels() is None:
+        pytest.skip("no compiled step on this machine")
+    hidden, head_dim, q_heads, kv_heads, mlp, slots = 64, 32, 2, 1, 64, 16
+    generator = torch.Generator().manual_seed(11)
+    shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * mlp, hidden),
+              (hidden, mlp)]
+    weights = [cpu_linear.q4_1_round(torch.randn(n, k, generator=generator) * 0.2) for n, k in shapes]
+    tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
+    angles = torch.rand(8, head_dim // 2, generator=generator) * 3
+    rotary = torch.cat([angles.cos(), angles.sin()], dim=1)
+    # sequence 0: positions 0-4 in slots 0-4 (0-1 cached); sequence 1: positions 0-3 in slots 8-11
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    table[0, :5], table[1, :4] = torch.arange(5), torch.arange(8, 12)
+    prefix, tokens = torch.randn(2, hidden, generator=generator), torch.randn(7, hidden, generator=generator)
+    positions = torch.tensor([2, 3, 4, 0, 1, 2, 3])
+    slot = torch.tensor([2, 3, 4, 8, 9, 10, 11])
+
+    def a_step():
+        step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
+        caches = torch.zeros(slots, kv_heads, head_dim), torch.zeros(slots, kv_heads, head_dim)
+        step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles],
+                       [s for _, s in tiles], [None] * 4, False, weights, rotary, head_dim, True, *caches, q_heads,
+                       kv_heads, head_dim, head_dim ** -0.5)
+        one = torch.ones(1, dtype=torch.long)
+        for position in range(2):  # sequence 0's cached prefix
+            step.forward(prefix[position:position + 1], one * position, one * position, table, one * 0,
+                         one * (position + 1), None, [], lambda *args: None, 64)
+        return step, caches
+
+    step, caches = a_step()
+    extended = step.forward(tokens, positions, slot, table, torch.tensor([0, 1]), torch.tensor([5, 4]),
+                            torch.tensor([3, 4]), [], lambda *args: None, 64)
+    stepped, stepped_caches = a_step()
+    one = torch.ones(1, dtype=torch.long)
+    rows = [stepped.forward(tokens[r:r + 1], one * positions[r], one * slot[r], table, one * (0 if r < 3 else 1),
+                            one * (positions[r] + 1), None, [], lambda *args: None, 64) for r in range(7)]
+    torch.testing.assert_close(extended, torch.cat(rows), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(caches, stepped_caches):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert caches[0][slot].abs().sum() > 0  # the new tokens' keys were written
+    with pytest.raises(RuntimeError, match="extend"):
+        step.forward(tokens, positions, slot, table, torch.tensor([0, 1]), torch.tensor([5, 4]),
+                     torch.tensor([3, 3]), [], lambda *args: None, 64)
+
+
 def test_the_compiled_step_runs_on_amx_tiles_above_its_grid_rows_and_the_grid_below():
     """A one-layer step over 40 one-token sequences: built for AMX, with grid_rows 0 the products run on the tiles
     (x and W rounded to bf16), within bf16's rounding of the grid step's output and not equal to it; with grid_rows
@@ -191,7 +246,8 @@ def test_the_compiled_step_runs_on_amx_tiles_above_its_grid_rows_and_the_grid_be
         table = torch.arange(rows, dtype=torch.int32)[:, None].repeat(1, 4)
         ones = torch.ones(rows, dtype=torch.long)
         return step.forward(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(1)), ones * 0,
-                            torch.arange(rows), table, torch.arange(rows), ones, [], lambda *args: None, grid_rows)
+                            torch.arange(rows), table, torch.arange(rows), ones, None, [], lambda *args: None,
+                            grid_rows)
 
     from_grid = run(False, 0)
     assert torch.equal(run(True, rows), from_grid)
