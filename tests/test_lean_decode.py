@@ -167,6 +167,30 @@ def test_the_compiled_step_knows_when_a_weight_it_was_built_from_changed():
                        torch.zeros(8, kv_heads, head_dim), q_heads, kv_heads, head_dim, head_dim ** -0.5)
 
 
+HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS, MLP = 64, 32, 2, 1, 64  # the one-layer steps below
+
+
+def one_layer_grids(seed: int) -> tuple[list, list]:
+    """(weights, their grid tiles): a layer's four projections of the shapes above, random and put on Q4_1 grids."""
+    from policies import cpu_linear
+
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, Q_HEADS * HEAD_DIM), (2 * MLP, HIDDEN),
+              (HIDDEN, MLP)]
+    weights = [cpu_linear.q4_1_round(torch.randn(n, k, generator=generator) * 0.2) for n, k in shapes]
+    return weights, [cpu_linear.grid_tiles(weight) for weight in weights]
+
+
+def one_layer_step(kernel, weights, tiles, rotary, slots: int, amx: bool = False):
+    """(a one-layer DecodeStep of those weights, unit norms, its (k_cache, v_cache) of `slots` slots)."""
+    step = kernel.DecodeStep(torch.ones(HIDDEN), 1e-5)
+    caches = torch.zeros(slots, KV_HEADS, HEAD_DIM), torch.zeros(slots, KV_HEADS, HEAD_DIM)
+    step.add_layer(torch.ones(HIDDEN), 1e-5, torch.ones(HIDDEN), 1e-5, [p for p, _ in tiles], [s for _, s in tiles],
+                   [None] * 4, amx, weights, rotary, HEAD_DIM, True, *caches, Q_HEADS, KV_HEADS, HEAD_DIM,
+                   HEAD_DIM ** -0.5)
+    return step, caches
+
+
 def test_a_compiled_extend_is_its_tokens_decoded_one_at_a_time():
     """A one-layer step fed two sequences' new tokens as one extend (3 after a cached prefix of 2, and 4 from
     nothing) writes the same keys and values and returns the same rows as the same tokens decoded one step at a
@@ -177,27 +201,19 @@ def test_a_compiled_extend_is_its_tokens_decoded_one_at_a_time():
     kernel = lean_decode.step_kernel()
     if kernel is None or cpu_linear.grid_kernels() is None:
         pytest.skip("no compiled step on this machine")
-    hidden, head_dim, q_heads, kv_heads, mlp, slots = 64, 32, 2, 1, 64, 16
-    generator = torch.Generator().manual_seed(11)
-    shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * mlp, hidden),
-              (hidden, mlp)]
-    weights = [cpu_linear.q4_1_round(torch.randn(n, k, generator=generator) * 0.2) for n, k in shapes]
-    tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
-    angles = torch.rand(8, head_dim // 2, generator=generator) * 3
+    weights, tiles = one_layer_grids(11)
+    generator = torch.Generator().manual_seed(12)
+    angles = torch.rand(8, HEAD_DIM // 2, generator=generator) * 3
     rotary = torch.cat([angles.cos(), angles.sin()], dim=1)
     # sequence 0: positions 0-4 in slots 0-4 (0-1 cached); sequence 1: positions 0-3 in slots 8-11
     table = torch.zeros(2, 8, dtype=torch.int32)
     table[0, :5], table[1, :4] = torch.arange(5), torch.arange(8, 12)
-    prefix, tokens = torch.randn(2, hidden, generator=generator), torch.randn(7, hidden, generator=generator)
+    prefix, tokens = torch.randn(2, HIDDEN, generator=generator), torch.randn(7, HIDDEN, generator=generator)
     positions = torch.tensor([2, 3, 4, 0, 1, 2, 3])
     slot = torch.tensor([2, 3, 4, 8, 9, 10, 11])
 
     def a_step():
-        step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
-        caches = torch.zeros(slots, kv_heads, head_dim), torch.zeros(slots, kv_heads, head_dim)
-        step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles],
-                       [s for _, s in tiles], [None] * 4, False, weights, rotary, head_dim, True, *caches, q_heads,
-                       kv_heads, head_dim, head_dim ** -0.5)
+        step, caches = one_layer_step(kernel, weights, tiles, rotary, slots=16)
         one = torch.ones(1, dtype=torch.long)
         for position in range(2):  # sequence 0's cached prefix
             step.forward(prefix[position:position + 1], one * position, one * position, table, one * 0,
@@ -229,23 +245,15 @@ def test_the_compiled_step_runs_on_amx_tiles_above_its_grid_rows_and_the_grid_be
     kernel = lean_decode.step_kernel()
     if kernel is None or cpu_linear.amx_kernels() is None:
         pytest.skip("no AMX product on this CPU or build")
-    hidden, head_dim, q_heads, kv_heads, mlp, rows = 64, 32, 2, 1, 64, 40
-    generator = torch.Generator().manual_seed(7)
-    shapes = [((q_heads + 2 * kv_heads) * head_dim, hidden), (hidden, q_heads * head_dim), (2 * mlp, hidden),
-              (hidden, mlp)]
-    weights = [cpu_linear.q4_1_round(torch.randn(n, k, generator=generator) * 0.2) for n, k in shapes]
-    tiles = [cpu_linear.grid_tiles(weight) for weight in weights]
-    rotary = torch.cat([torch.ones(4, head_dim // 2), torch.zeros(4, head_dim // 2)], dim=1)  # cos 1, sin 0
+    rows = 40
+    weights, tiles = one_layer_grids(7)
+    rotary = torch.cat([torch.ones(4, HEAD_DIM // 2), torch.zeros(4, HEAD_DIM // 2)], dim=1)  # cos 1, sin 0
 
     def run(amx, grid_rows):
-        step = kernel.DecodeStep(torch.ones(hidden), 1e-5)
-        caches = torch.zeros(rows, kv_heads, head_dim), torch.zeros(rows, kv_heads, head_dim)
-        step.add_layer(torch.ones(hidden), 1e-5, torch.ones(hidden), 1e-5, [p for p, _ in tiles],
-                       [s for _, s in tiles], [None] * 4, amx, weights, rotary, head_dim, True, *caches, q_heads,
-                       kv_heads, head_dim, head_dim ** -0.5)
+        step, _ = one_layer_step(kernel, weights, tiles, rotary, slots=rows, amx=amx)
         table = torch.arange(rows, dtype=torch.int32)[:, None].repeat(1, 4)
         ones = torch.ones(rows, dtype=torch.long)
-        return step.forward(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(1)), ones * 0,
+        return step.forward(torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1)), ones * 0,
                             torch.arange(rows), table, torch.arange(rows), ones, None, [], lambda *args: None,
                             grid_rows)
 
