@@ -1,11 +1,12 @@
 // A Llama decode step (or extend: each request's new tokens after its cached prefix) whose every projection reads its
 // weight from a 4- or 8-bit grid, as one call: the loop of policies/lean_decode.py (its docstring has the arithmetic)
-// over the same kernels, without a Python call between them but a layer's capture (the probe's residual, policies/probe_readout.py). At the 1-32 rows of a search's step
-// the lean step's ~14 Python calls a layer (the kernels' and torch's dispatch, tensor views, attribute reads) cost
-// about as much as its arithmetic; here they are C++ calls, and the step's buffers are allocated once a step and
-// written in place: the residual and norms a row at a time (rms_norm_row), q and k rotated in place (rotate_head),
-// K and V copied to their pool slots, the products into their outputs (grid_product), attention over the pool
-// (attend_cached), silu(gate) * up as two ATen calls on views (torch's own arithmetic for them).
+// over the same kernels, without a Python call between them but a layer's capture (the probe's residual,
+// policies/probe_readout.py). At the 1-32 rows of a search's step the lean step's ~14 Python calls a layer (the
+// kernels' and torch's dispatch, tensor views, attribute reads) cost about as much as its arithmetic; here they are C++
+// calls, and the step's buffers are allocated once a step and written in place: the residual and norms a row at a time
+// (rms_norm_row), q and k rotated in place (rotate_head), K and V copied to their pool slots, the products into their
+// outputs (grid_product), attention over the pool (attend_cached), silu(gate) * up as two ATen calls on views (torch's
+// own arithmetic for them).
 //
 // Above `grid_rows` rows (a search's 128-row batches) each product runs on AMX's tiles where the step was built for
 // them, its weight unpacked from the same grid into bf16 a chunk at a time (policies/amx_linear.cpp, the decoder
@@ -155,13 +156,12 @@ class DecodeStep {
     return true;
   }
 
-  // hidden [B, H]: the embedded tokens; one token a sequence at positions [B]; its K and V written to the pool's
-  // slots out_cache_loc [B]; capture(i, residual) called at the entry of each layer i in capture_layers (with the
-  // Python interpreter's lock, which the step otherwise leaves to other threads; the residual is a copy). Returns
-  // the final norm's output [B, H]. The step's buffers are allocated once a call and written in place; the
-  // arithmetic is the kernels' of the Python loop (policies/lean_decode.py), in its order.
-  // A decode step (extend_lens none: a row a sequence, its last position) or an extend (sequence b's last
-  // extend_lens[b] positions, its new tokens, in order), on rows [tokens, H] of the embedded tokens.
+  // hidden [T, H]: the embedded tokens, at positions [T]; their K and V written to the pool's slots out_cache_loc
+  // [T]. A decode step (extend_lens none): one token a request, its last position; an extend: request b's last
+  // extend_lens[b] positions, its new tokens, in order. capture(i, residual) is called at the entry of each layer i
+  // in capture_layers (with the Python interpreter's lock, which the step otherwise leaves to other threads; the
+  // residual is a copy). Returns the final norm's output [T, H]. The step's buffers are allocated once a call and
+  // written in place; the arithmetic is the kernels' of the Python loop (policies/lean_decode.py), in its order.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& positions, const torch::Tensor& out_cache_loc,
                         const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
                         const torch::Tensor& seq_lens, const std::optional<torch::Tensor>& extend_lens,
