@@ -3,11 +3,13 @@ and a synthetic loop trace; one end-to-end run on the tiny model (runtime tier).
 
 import argparse
 import json
+import threading
+from types import SimpleNamespace
 
 import pytest
 
 from sgl_tts.bench.coexist import (BenchOptions, CoexistArm, arm_config, arm_rows, cancel_rows, chosen_arms,
-                                   loop_figures, machine_cells, run_arm, with_overrides)
+                                   loop_figures, machine_cells, run_arm, run_searches, with_overrides)
 from sgl_tts.cli.bench import parse_coexist_arm
 from sgl_tts.config import ConfigError
 from sgl_tts.measure.periodic import Period
@@ -78,6 +80,42 @@ def test_a_failing_arm_keeps_its_error_and_the_bench_goes_on():
     bad = run_arm(CoexistArm("bad", overrides=(("search.n", 0),)), tiny_config(), [object()], 1, 0.0,
                   FailingPool(), loop_pid=0)
     assert bad["error"].startswith("ConfigError: --arm bad:")
+
+
+class ClockedSession:
+    """A session whose every search takes one second of a shared fake clock; the third problem's search fails."""
+
+    def __init__(self):
+        self.now, self.lock, self.solved = 0.0, threading.Lock(), []
+
+    def clock(self):
+        with self.lock:
+            return self.now
+
+    def solve(self, problem, search):
+        from sgl_tts.search.api import SearchError
+
+        with self.lock:
+            self.now += 1.0
+            self.solved.append(problem)
+        result = SimpleNamespace(error="generator died" if problem == "p2" else None, generated_tokens=10)
+        if result.error:
+            raise SearchError(result.error, result)
+        return result
+
+
+def test_an_arms_searches_keep_its_concurrency_for_its_rounds_then_until_its_length():
+    config = SimpleNamespace(concurrency=2, search=None)
+    problems = ["p0", "p1", "p2"]
+    session = ClockedSession()
+    counts = run_searches(session, config, problems, rounds=3, arm_s=0.0, clock=session.clock)
+    assert counts == {"searches": 6, "search_errors": 2, "tokens": 60}  # 2 workers x 3 rounds, p2 twice
+    assert sorted(session.solved) == sorted(problems * 2)  # taken in turn, cycled
+    session = ClockedSession()
+    counts = run_searches(session, config, problems, rounds=1, arm_s=7.0, clock=session.clock)
+    # a worker starts a search while less than 7 s have passed: at least 7 in all, at most one more a worker
+    assert 7 <= counts["searches"] <= 7 + config.concurrency - 1
+    assert counts["searches"] == len(session.solved) and session.now >= 7.0
 
 
 def trace(missed_indices, count=100, period=0.02):
@@ -162,7 +200,7 @@ def test_bench_coexist_end_to_end_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     options = BenchOptions(config="serve-tiny", program="beam_search", n=2, beam_width=2, max_steps=2,
                            max_step_tokens=8, several=2, idle_s=0.5, repeats=1, arms="idle,x1,xC",
-                           cancel_after_s=0.0, watch_s=0.5, live_sessions=1, out=str(out))
+                           arm_s=0.0, cancel_after_s=0.0, watch_s=0.5, live_sessions=1, out=str(out))
     assert run_bench(options) == 0
     data = json.loads((out / "bench-coexist.json").read_text())
     assert [r["arm"] for r in data["records"]] == ["idle", "search x1", "search x2"]

@@ -26,13 +26,14 @@ and a warm-up search happen outside the measured window; caches are flushed befo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sgl_tts.measure.periodic import (PERIOD_S, RECOVERED_AFTER, WORK_FRACTION, LoopStats, Period, periods_between,
                                       recovery_s)
@@ -42,6 +43,7 @@ from sgl_tts.measure.tables import Column, console_table, markdown_table
 SEVERAL = 4
 SWITCH_ARMS = ("P", "M", "S")
 KV_SETTLE_S = 10.0  # how long the KV counters may take to settle after a cancel
+ARM_PROBLEMS = 40  # problems an arm's searches go through (cycled), each prompt new to the radix cache once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +163,27 @@ def _cpu_s(process: Any) -> float:
     return times.user + times.system
 
 
-def run_searches(session: Any, config: Any, problems: Sequence[Any]) -> dict[str, Any]:
-    """Solve `problems`, `config.concurrency` at a time: searches, failed ones, generated tokens."""
-    results = [result for _, result in session.solve_all(problems, concurrency=config.concurrency)]
+def run_searches(session: Any, config: Any, problems: Sequence[Any], rounds: int = 1, arm_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """`config.concurrency` searches in flight: as many workers, each solving `problems` (in turn, cycled) one
+    after another, `rounds` each at least and more until `arm_s` seconds of `clock` have passed, so that an arm
+    lasts about as long on a fast engine as on a slow one. Searches, failed ones, generated tokens."""
+    from sgl_tts.search.api import SearchError
+
+    began, taken = clock(), itertools.count()
+
+    def worker() -> list[Any]:
+        results = []
+        while len(results) < rounds or clock() - began < arm_s:
+            problem = problems[next(taken) % len(problems)]
+            try:
+                results.append(session.solve(problem, config.search))
+            except SearchError as exc:  # a search that failed mid-way: its partial result says what failed
+                results.append(exc.result)
+        return results
+
+    with ThreadPoolExecutor(max_workers=config.concurrency) as threads:
+        results = [r for future in [threads.submit(worker) for _ in range(config.concurrency)] for r in future.result()]
     return {"searches": len(results), "search_errors": sum(r.error is not None for r in results),
             "tokens": sum(r.generated_tokens for r in results)}
 
@@ -184,8 +204,8 @@ def prepared_session(pool: Any, config: Any, problem: Any) -> Any:
 
 
 def run_arm(arm: CoexistArm, base: Any, problems: Sequence[Any], rounds: int, idle_s: float, pool: Any,
-            loop_pid: int) -> dict[str, Any]:
-    """One run of `arm`; an error is kept in the record (`error`), not raised."""
+            loop_pid: int, arm_s: float = 0.0) -> dict[str, Any]:
+    """One run of `arm` (searches: `run_searches`); an error is kept in the record (`error`), not raised."""
     record: dict[str, Any] = {"arm": arm.name}
     try:
         if not arm.inference:
@@ -194,11 +214,10 @@ def run_arm(arm: CoexistArm, base: Any, problems: Sequence[Any], rounds: int, id
                 time.sleep(idle_s)
         else:
             config = arm_config(base, arm)
-            chosen = [problems[i % len(problems)] for i in range(config.concurrency * rounds)]
-            session = prepared_session(pool, config, chosen[0])
+            session = prepared_session(pool, config, problems[0])
             try:
                 with CaseWindow(loop_pid) as window:
-                    record.update(run_searches(session, config, chosen))
+                    record.update(run_searches(session, config, problems, rounds, arm_s))
             finally:
                 pool.give_back(session)
         record.update(window.numbers)
@@ -372,13 +391,14 @@ class BenchOptions:
     max_step_tokens: int = 24
     step_delimiter: str = "\\n"
     several: int = SEVERAL
-    rounds: int = 1  # rounds of `concurrency` searches per inference arm
+    rounds: int = 1  # searches per worker (of `concurrency`) per inference arm, at least
+    arm_s: float = 10.0  # an inference arm's searches go on until this long (as long as the idle arm)
     idle_s: float = 10.0
     repeats: int = 2
     arms: str | None = None  # comma-separated names of the standard arms (default all)
     arm: tuple[CoexistArm, ...] = ()  # --arm: pass-through arms
     cancel: bool = True
-    cancel_after_s: float = 3.0
+    cancel_after_s: float = 0.5  # one search of the default arms takes about 1 s on a 2-core AVX-512 Xeon
     watch_s: float = 8.0  # of the loop after a cancel
     period_ms: float = 1000 * PERIOD_S
     work_fraction: float = WORK_FRACTION
@@ -428,8 +448,9 @@ def run_bench(options: BenchOptions) -> int:
     for arm in arms:
         if arm.inference:
             arm_config(base, arm)  # a bad pass-through key fails now, not after minutes of other arms
-    problems = load_problems(base.dataset.name, limit=max(arm.concurrency for arm in arms) * options.rounds
-                             + options.several, offset=base.dataset.offset)
+    problems = load_problems(base.dataset.name, limit=max(ARM_PROBLEMS, max(arm.concurrency for arm in arms)
+                                                          * options.rounds + options.several),
+                             offset=base.dataset.offset)
     began = time.monotonic()
     header = (f"bench coexist: a {1000 / options.period_ms:.0f} Hz loop (work {options.work_fraction:g} of the "
               f"{options.period_ms:g} ms period on an idle core) beside {base.search.program} n={base.search.n} "
@@ -450,8 +471,8 @@ def run_bench(options: BenchOptions) -> int:
             for repeat in range(options.repeats):
                 order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
                 for arm in order:
-                    record = {**run_arm(arm, base, problems, options.rounds, options.idle_s, pool, loop.pid),
-                              "repeat": repeat + 1}
+                    record = {**run_arm(arm, base, problems, options.rounds, options.idle_s, pool, loop.pid,
+                                        options.arm_s), "repeat": repeat + 1}
                     records.append(record)
                     print(f"[repeat {repeat + 1} {arm.name}] " + (record.get("error") or (
                         f"{record['wall_s']:.1f} s, machine CPU {record['machine_cpu_percent']:.0f}%, "

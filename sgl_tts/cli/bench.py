@@ -169,7 +169,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--step-delimiter", default="\\n", help="step delimiter, escapes allowed (default \\n)")
     parser.add_argument("--several", type=int, default=SEVERAL,
                         help=f"searches at once in 'search xC' and the cancel (default {SEVERAL})")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of C searches per inference arm")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="searches per worker (C workers, one search each at a time) per inference arm, at least")
+    parser.add_argument("--arm-s", type=float, default=10.0,
+                        help="an inference arm's workers start searches until this many seconds have passed")
     parser.add_argument("--idle-s", type=float, default=10.0, help="length of the no-inference arm")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every arm, interleaved")
     parser.add_argument("--arms", default=None,
@@ -179,8 +182,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                              "e.g. a search budget: 'budget=search.<key>=<value>'")
     parser.add_argument("--no-cancel", dest="cancel", action="store_false",
                         help="skip the cancel-and-recover run after each repeat")
-    parser.add_argument("--cancel-after-s", type=float, default=3.0,
-                        help="cancel the searches this long after they start (while requests are in flight)")
+    parser.add_argument("--cancel-after-s", type=float, default=0.5,
+                        help="cancel the searches this long after they start, or later once one has requests in "
+                             "flight (a cancel after every search ended shows 0 in flight)")
     parser.add_argument("--watch-s", type=float, default=8.0, help="seconds of the loop watched after a cancel")
     parser.add_argument("--period-ms", type=float, default=20.0, help="the loop's period (default 20: 50 Hz)")
     parser.add_argument("--work-fraction", type=float, default=0.3,
