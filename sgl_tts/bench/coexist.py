@@ -9,11 +9,13 @@ time, FastTTS off):
 - `P`, `M`, `S`: one FastTTS switch on, one search at a time;
 - arms of `--arm NAME=KEY=VALUE,...`: "search x1" with run-config keys set (`search.*`, `fasttts.*`, `concurrency`,
   ...), e.g. a search budget once the config has one, checked like the YAML.
-Every repeat runs every arm (the order rotating by one each repeat), then, with `--cancel`, C searches that
-are cancelled mid-flight: their requests in flight are aborted in the engine (`search.api.cancel_search`), the
-generator's and verifier's KV in use is read from the engine's own counters (`GET /v1/loads`, `num_used_tokens`)
-before the cancel and once it has settled after it, and the loop's recovery is the time from the cancel to the
-first of `RECOVERED_AFTER` consecutive deadlines met.
+An inference arm keeps its searches going (`run_searches`: C workers, one search each at a time) for `--rounds`
+searches a worker at least and until `--arm-s` seconds have passed, so its window is as long as the idle arm's on a
+fast engine as on a slow one. Every repeat runs every arm (the order rotating by one each repeat), then, with
+`--cancel`, C searches that are cancelled mid-flight: their requests in flight are aborted in the engine
+(`search.api.cancel_search`), the generator's and verifier's KV in use is read from the engine's own counters
+(`GET /v1/loads`, `num_used_tokens`) before the cancel and once it has settled after it, and the loop's recovery is the
+time from the cancel to the first of `RECOVERED_AFTER` consecutive deadlines met.
 
 Per arm: the loop's deadline misses (late or skipped periods), release jitter p50/p99, its worst lateness, its
 CPU (the loop process's user + system time over the arm's wall time, % of one core) and the machine's, the
