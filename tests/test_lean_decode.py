@@ -70,10 +70,10 @@ def test_the_compiled_step_decodes_and_records_margins_as_the_python_loop_does(t
     """The tiny model on its grids, with the probe head, served twice with its products read from the grids: the
     compiled step (policies/decode_step.cpp, the default) and the same loop in Python ($SGLTTS_CPU_DECODE=
     lean-python), decode steps and extends (the prompts, the margins' reads) alike. The same kernels on the same
-    inputs in the same order: one sequence at a time, the same tokens with the same logprobs to the bit; a batch of sequences of different lengths, the same tokens, and logprobs
-    to fp32's precision (the requests join the batch at steps that vary from run to run, and the fp32 head sums a
-    row in an order that depends on the rows beside it). The compiled step calls the head's capture at its layer:
-    the same margins."""
+    inputs in the same order: one sequence at a time, the same tokens with the same logprobs to the bit; a batch of
+    sequences of different lengths, the same tokens, and logprobs to fp32's precision (the requests join the batch
+    at steps that vary from run to run, and the fp32 head sums a row in an order that depends on the rows beside
+    it). The compiled step calls the head's capture at its layer: the same margins."""
     from sgl_tts import env_names
     from sgl_tts.runtime.server import Runtime, RuntimeConfig
 

@@ -74,11 +74,10 @@ def test_a_runtimes_environment_imports_its_pythonpath_before_the_working_folder
         folder.mkdir()
         (folder / "zygote_report.py").write_text(REPORT.replace('"name": __name__', f'"name": "{folder.name}"'))
     monkeypatch.chdir(here)
-    safe = server_env(RuntimeConfig(model="unused", device="cuda"))
+    safe = dict(server_env(RuntimeConfig(model="unused", device="cuda")), PYTHONPATH=str(there))
     assert safe[zygote.SAFE_PATH] == "1"
-    for env, expected in ((dict(os.environ, PYTHONPATH=str(there), **{zygote.SAFE_PATH: "1"}), "elsewhere"),
-                          (dict({k: v for k, v in os.environ.items() if k != zygote.SAFE_PATH},
-                                PYTHONPATH=str(there)), "working")):
+    unsafe = {name: value for name, value in safe.items() if name != zygote.SAFE_PATH}
+    for env, expected in ((safe, "elsewhere"), (unsafe, "working")):
         log = tmp_path / f"{expected}.log"
         argv = [sys.executable, "-m", "zygote_report", "0"]
         if forked:

@@ -185,7 +185,8 @@ def run_searches(session: Any, config: Any, problems: Sequence[Any], rounds: int
         return results
 
     with ThreadPoolExecutor(max_workers=config.concurrency) as threads:
-        results = [r for future in [threads.submit(worker) for _ in range(config.concurrency)] for r in future.result()]
+        workers = [threads.submit(worker) for _ in range(config.concurrency)]
+        results = [result for done in workers for result in done.result()]
     return {"searches": len(results), "search_errors": sum(r.error is not None for r in results),
             "tokens": sum(r.generated_tokens for r in results)}
 
