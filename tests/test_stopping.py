@@ -52,6 +52,27 @@ def test_the_settled_rule_waits_for_its_answers_then_asks_for_the_consensus():
         assert single.settled(answers, weights, remaining) == vote_settled(answers, weights, remaining, 0.6)
 
 
+def test_the_settled_rules_agree_waits_for_that_many_equal_answers_whatever_their_share():
+    """`agree`: the leading answer (by weight) must have been given `agree` times before the vote settles; checked
+    against that definition on every sequence of up to six answers of three values (and none), one vote each, and
+    for a leader by weight that few answers gave."""
+    import itertools
+
+    rule = SettledAnswerRule(consensus=0.1, min_answers=1, agree=3)
+    for length in range(7):
+        for answers in itertools.product(["a", "b", "c", None], repeat=length):
+            counts = collections.Counter(answer for answer in answers if answer is not None)
+            leader = min(counts, key=lambda answer: (-counts[answer], answer)) if counts else None
+            assert rule.settled(list(answers), [1.0] * length, remaining=1) == (counts[leader] >= 3 if counts
+                                                                               else False), answers
+            assert rule.settled(list(answers), [1.0] * length, remaining=0), "nothing left to wait for"
+    weighted = SettledAnswerRule(consensus=0.1, agree=2)
+    assert not weighted.settled(["a", "b", "b"], [5.0, 1.0, 1.0], remaining=1), "the leader by weight gave one"
+    assert weighted.settled(["a", "b", "b", "a"], [5.0, 1.0, 1.0, 1.0], remaining=1)
+    with pytest.raises(ValueError, match="stopping.agree"):
+        Stopping(agree=0)
+
+
 def test_stopping_settings_name_the_field():
     with pytest.raises(ValueError, match="stopping.consensus"):
         Stopping(consensus=1.5)
@@ -210,6 +231,21 @@ def test_a_staged_best_of_n_sends_only_the_samples_it_takes_to_settle():
     assert settled.generated_tokens < plain.generated_tokens and not scorer.calls
     assert context.in_flight() == []
     assert end_program_states([backend]) == 0, "the refused samples' program states were ended with the search"
+
+
+def test_a_staged_best_of_n_with_agree_stops_at_the_first_answer_given_that_often():
+    config = SearchConfig(program="best_of_n", n=16, max_tokens=10_000,
+                          stopping=Stopping(rule="settled", consensus=0.1, min_answers=1, agree=3, stage=4))
+    backend, scorer = PacedBackend(ScriptedModel(answers=4)), ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
+    context = runtimes.new_search(config, PROBLEM.id)
+    settled = load_program("best_of_n")(PROBLEM, config, runtimes, context)
+    assert settled.finish_reason == "settled"
+    vote = context.settled_vote
+    counts = collections.Counter(vote)
+    assert max(counts.values()) == 3 and settled.answer == counts.most_common(1)[0][0]
+    assert all(max(collections.Counter(vote[:k]).values()) < 3 for k in range(1, len(vote))), "settled at once"
+    assert len(backend.requests) < 16, "the samples past the settled vote and the stage were not sent"
 
 
 def test_a_stage_without_a_rule_changes_no_answer():

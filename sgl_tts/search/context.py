@@ -100,7 +100,8 @@ class SearchContext:
         self.stop_reason: str | None = None  # why the search stopped early, once it has
         self.confidence_rule = (TraceConfidenceRule(self.stopping.window, self.stopping.keep_fraction,
                                                     self.stopping.warmup) if self.stopping.confidence else None)
-        self.settled_rule = (SettledAnswerRule(self.stopping.consensus, self.stopping.min_answers)
+        self.settled_rule = (SettledAnswerRule(self.stopping.consensus, self.stopping.min_answers,
+                                               self.stopping.agree)
                              if self.stopping.settled else None)
         self.ranked_rule = RankedEndRule(self.stopping.top) if self.stopping.ranked else None
         self.finished_paths: list[Any] = []  # every path that ended (`sgl_tts.search.api.finish`)

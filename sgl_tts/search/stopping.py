@@ -9,8 +9,10 @@ Three rules, each a small class of numbers and answers (no paths, no requests), 
   whose confidence falls below s is stopped: it gets no further request and ends "low_confidence". It needs
   the tokens' top logprobs, which `expand` then asks for (`Stopping.logprobs`).
 - `SettledAnswerRule` (certaindex / Dynasor-style early exit): once at least `min_answers` paths have ended with
-  an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each), the search stops
-  sending and answers with that answer (`SearchResult.finish_reason` "settled").
+  an answer and the leading answer holds `consensus` of them (`vote_settled`, one vote each) and was given by at
+  least `agree` of them, the search stops sending and answers with that answer (`SearchResult.finish_reason`
+  "settled"). `agree` asks for agreement itself, whatever the other answers: with staged sending, best-of-N's
+  vote settles once `agree` samples gave one answer, though most samples disagree (a weak model's answers do).
 - `RankedEndRule` (the classic ending of a beam search, and its-hub's `BeamSearch`): after each scoring round the
   search ranks every path it has scored, ended and live, by its aggregated score (`rank_key`); once the `top` best
   have all ended and a live path is left, the search stops and answers by its selection over the ended paths
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from sgl_tts.config import FieldValueError
-from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled
+from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled, weighted_vote
 
 RULES = ("none", "confidence", "settled", "both", "ranked")
 READS = ("ended", "live")
@@ -59,6 +61,7 @@ class Stopping:
     warmup: int = 4  # confidence: ended paths that set the threshold
     consensus: float = 0.6  # settled: the leading answer's share of the answers
     min_answers: int = 2  # settled: answers before the vote may settle
+    agree: int = 1  # settled: answers the leading answer must hold before the vote may settle
     top: int = 1  # ranked: the best-ranked paths that must all have ended
     stage: int = 0  # generator requests of the search in flight at once, the rest sent as they end (0: no limit)
     reads: Literal["ended", "live"] = "ended"  # what the rules hear: ended paths, or every live path after each step
@@ -73,7 +76,7 @@ class Stopping:
             raise FieldValueError("reads", f"stopping.reads must be one of {', '.join(READS)}, got {self.reads!r}")
         if not self.answer_cue.strip():
             raise FieldValueError("answer_cue", "stopping.answer_cue must not be empty")
-        for name in ("top_k", "window", "warmup", "min_answers", "top", "probe_tokens", "steady"):
+        for name in ("top_k", "window", "warmup", "min_answers", "agree", "top", "probe_tokens", "steady"):
             if getattr(self, name) < 1:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
         if self.stage < 0:
@@ -140,16 +143,21 @@ class TraceConfidenceRule:
 
 @dataclass(frozen=True)
 class SettledAnswerRule:
-    """The vote is settled: no path remains, or at least `min_answers` answers are cast and the leader holds
-    `consensus` of the weight (`vote_settled`)."""
+    """The vote is settled: no path remains, or at least `min_answers` answers are cast and the leader (by weight)
+    holds `consensus` of the weight (`vote_settled`) and `agree` of the answers."""
 
     consensus: float
     min_answers: int = 1
+    agree: int = 1
 
     def settled(self, answers: Sequence[str | None], weights: Sequence[float], remaining: int) -> bool:
         cast = sum(answer is not None for answer in answers)
         if remaining > 0 and cast < self.min_answers:
             return False
+        if remaining > 0 and self.agree > 1:
+            leader = weighted_vote(answers, weights)
+            if sum(answer == leader for answer in answers) < self.agree:
+                return False
         return vote_settled(answers, weights, remaining_traces=remaining, consensus=self.consensus)
 
 

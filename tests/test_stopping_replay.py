@@ -1,0 +1,79 @@
+"""Stopping rules replayed on recorded best-of-N searches (eval/stopping_replay.py): the replay of one order against
+a brute-force reading of its definition, the halves, the rules, and the result lines it refuses."""
+
+import itertools
+import random
+
+import pytest
+
+from eval.stopping_replay import (RULES, Sample, Search, Stop, agree, halves, lead, replay, replay_all,
+                                  report, searches_from, settled, top_score)
+from sgl_tts.search.selection import majority_vote, weighted_vote
+
+
+def samples_of(rng, count):
+    return [Sample(rng.choice(["1", "2", "3", None]), round(rng.random(), 2), rng.randint(1, 50))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("every", [1, 3, 4])
+def test_a_replay_stops_at_the_first_stage_its_rule_holds_and_answers_as_the_search_would(every):
+    rng = random.Random(every)
+    for _ in range(200):
+        samples = samples_of(rng, rng.randint(1, 12))
+        for stop in (Stop(agree(2), settled=True), Stop(top_score(0.8)), Stop(lambda taken: False)):
+            tokens, answer = replay(samples, every, stop)
+            counts = list(range(every, len(samples), every))  # the stages asked before all are taken
+            first = next((k for k in counts if stop.rule(samples[:k])), None)
+            taken = samples[:first] if first is not None else samples
+            assert tokens == sum(s.tokens for s in taken)
+            answers, scores = [s.answer for s in taken], [s.score for s in taken]
+            expected = majority_vote(answers) if first is not None and stop.settled else weighted_vote(answers,
+                                                                                                       scores)
+            assert answer == expected
+    with pytest.raises(ValueError, match="every"):
+        replay(samples_of(rng, 3), 0, Stop(agree(2)))
+
+
+def test_the_rules_read_the_taken_samples_as_their_definitions_say():
+    taken = [Sample("1", 0.2, 5), Sample("2", 0.95, 5), Sample("1", 0.3, 5), Sample(None, 0.99, 5)]
+    assert agree(2)(taken) and not agree(3)(taken)
+    assert settled(0.6, 3)(taken) and not settled(0.7, 3)(taken) and not settled(0.6, 4)(taken)  # "1" holds 2 of 3
+    assert top_score(0.95)(taken) and not top_score(0.96)(taken), "a sample with no answer does not count"
+    # the vote's leader by score is "2" (0.95 against 0.5): one sample
+    assert not lead(0.0, 2, 0.0)(taken) and lead(0.9, 1, 0.6)(taken) and not lead(0.9, 1, 0.7)(taken)
+    assert all(isinstance(stop, Stop) for stop in RULES.values())
+
+
+def test_the_halves_split_the_problems_not_the_searches():
+    searches = [Search(seed, f"p{i:02d}", "1", (Sample("1", 1.0, 1),)) for seed, i in itertools.product((0, 1),
+                                                                                                        range(5))]
+    choosing, reporting = halves(searches)
+    assert {s.problem_id for s in choosing} == {"p00", "p02", "p04"}
+    assert {s.problem_id for s in reporting} == {"p01", "p03"}
+    assert len(choosing) + len(reporting) == len(searches)
+
+
+def test_a_replay_of_every_search_pairs_its_accuracy_with_the_full_searches():
+    rng = random.Random(0)
+    searches = [Search(0, f"p{i}", "1", tuple(samples_of(rng, 8))) for i in range(30)]
+    never = replay_all(searches, 4, Stop(lambda taken: False), replay_seed=0)
+    assert never["tokens_ratio"] == 1 and never["delta_pt"] == 0 and never["solved"] == never["solved_full"]
+    early = replay_all(searches, 4, Stop(lambda taken: True), replay_seed=0)
+    assert early["tokens_ratio"] < 1 and early["searches"] == 30
+    rules = {"never": Stop(lambda taken: False, settled=True), "always": Stop(lambda taken: True)}
+    out = report(searches, every=4, replays=2, rules=rules)
+    assert out["chosen"] == "never", "only a settled rule is chosen (a run can use it)"
+    assert out["table"]["never"]["reporting"]["tokens_ratio"] == 1
+
+
+def test_result_lines_of_another_program_or_without_their_result_are_refused_by_line():
+    good = {"seed": 0, "problem_id": "p1", "metrics": {"gold": "2"},
+            "result": {"program": "best_of_n", "candidates": [{"answer": "2", "score": 0.5, "tokens": 7}]}}
+    header = {"kind": "run"}
+    assert searches_from([header, good]) == [Search(0, "p1", "2", (Sample("2", 0.5, 7),))]
+    beam = {**good, "result": {**good["result"], "program": "beam_search"}}
+    with pytest.raises(ValueError, match="line 2: program 'beam_search', expected 'best_of_n'"):
+        searches_from([good, beam])
+    with pytest.raises(ValueError, match="line 1: expected a result line"):
+        searches_from([{"seed": 0}])
