@@ -2,13 +2,13 @@
 rule would have spent and answered, from `sgl-tts run --out` or `sgl-tts eval` result lines alone.
 
 A best-of-N search's samples are independent draws, so a search that sent them in a random order, `every` at a
-time, and stopped once a rule held would have generated the samples it sent and answered with the weighted vote
-over them (the program's selection):
+time, and stopped once a rule held would have generated the samples it sent and answered by the search's selection
+over them (the weighted vote of the CPU default, whose runs these are):
 
     taken_k = the first k * every samples of the order                        k = 1, 2, ...
     stop at the first k where rule(taken_k) holds, or once all are taken
     tokens  = the sum of taken_k's tokens
-    answer  = weighted_vote(taken_k's answers, their scores)    (the program's selection), or where a settled rule
+    answer  = weighted_vote(taken_k's answers, their scores)    (the selection), or where a settled rule
               stopped it, majority_vote(taken_k's answers)        (the settled vote, as `search.stopping` answers)
 
 A run would also spend what the samples in flight had generated when the rule held, so the tokens are a lower
