@@ -10,6 +10,15 @@ from sgl_tts import env_names
 os.environ.setdefault(env_names.CPU_LINEAR, "packed")
 
 
+@pytest.fixture(autouse=True)
+def no_prestarted_zygote(monkeypatch):
+    """`run`, `serve` and `eval` start the CPU runtimes' zygote before their imports (`prestart_cpu_zygote`); the
+    tests that call them in this process start none (tests/test_zygote.py and tests/test_cli.py test it)."""
+    from sgl_tts.runtime import server
+
+    monkeypatch.setattr(server, "prestart_cpu_zygote", lambda: None)
+
+
 def pytest_collection_modifyitems(config, items):
     # Runtime tests share one SGLang start-up per session; run them after the fast tier.
     items.sort(key=lambda item: item.get_closest_marker("runtime") is not None)

@@ -108,6 +108,23 @@ def test_eval_commands_map_their_flags(monkeypatch):
     assert verifiers == [((["a.yaml", "b.yaml"],), defaults)]
 
 
+def test_run_serve_and_eval_prestart_the_cpu_zygote_and_a_cuda_run_does_not(monkeypatch, tmp_path):
+    import eval.runner
+    from sgl_tts.runtime import server
+    from sgl_tts.serve import main as serve_main
+
+    prestarted = []
+    monkeypatch.setattr(server, "prestart_cpu_zygote", lambda: prestarted.append(True))
+    capture(monkeypatch, eval.runner, "run_eval")
+    capture(monkeypatch, serve_main, "serve")
+    missing = str(tmp_path / "missing.yaml")
+    assert main(["run", "--config", missing]) == 2 and prestarted == [True]
+    assert main(["run", "--config", missing, "--device", "cuda"]) == 2 and prestarted == [True]
+    main(["eval", "--config", "e.yaml"])
+    main(["serve", "--port", "0"])
+    assert prestarted == [True] * 3
+
+
 def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
     from sgl_tts.serve import main as serve_main
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sgl_tts import env_names
 from sgl_tts.runtime import zygote
 from sgl_tts.runtime.server import RuntimeConfig, server_command, server_env, start_server
 from sgl_tts.testing import wait_until
@@ -132,6 +133,68 @@ def test_a_zygote_serves_only_its_import_environment():
     assert zygote.import_environment(read_later) == zygote.import_environment(base)
     for changed in ({"SGLANG_USE_CPU_ENGINE": "0"}, {"LD_LIBRARY_PATH": "/x"}, {"SGLTTS_EVAL_TAG": "t"}):
         assert zygote.import_environment(dict(base, **changed)) != zygote.import_environment(base), changed
+    set_by_sglang = dict(base, TRITON_CACHE_DIR="/c/triton", FLASHINFER_WORKSPACE_BASE="/c",
+                         **{env_names.PROBE_HEAD: "head.json"})
+    assert zygote.import_environment(set_by_sglang) == zygote.import_environment(base)
+
+
+def test_the_prestarted_zygote_is_the_one_the_cpu_defaults_runtimes_fork_from(monkeypatch):
+    """`run`, `serve` and `eval` prestart a zygote before they import SGLang, whose import then sets its cache
+    variables in the process's environment, and a session adds the probe head to its generator's: the runtimes of
+    the CPU default still have the prestarted zygote's import environment."""
+    from sgl_tts.app.session import load_run_config, planned_runtimes
+
+    for name in zygote.SET_BY_SGLANG:
+        monkeypatch.delenv(name, raising=False)
+    prestarted = zygote.import_environment(server_env(RuntimeConfig()))
+    for name in zygote.SET_BY_SGLANG:
+        monkeypatch.setenv(name, f"/sglang-cache/{name.lower()}")
+    _, runtimes = planned_runtimes(load_run_config("cpu-default"))
+    assert runtimes["generator"].env, "the generator's own environment (its probe head) is part of the check"
+    for name, config in runtimes.items():
+        assert zygote.import_environment(server_env(config)) == prestarted, name
+
+
+def test_a_prestarted_zygote_is_the_one_a_runtime_then_forks_from(child_folder, monkeypatch):
+    monkeypatch.chdir(child_folder)
+    monkeypatch.setattr(zygote, "PRELOAD", ())
+    zygote.stop_all()
+    env = dict(os.environ, ZYGOTE_TEST_MARKER="prestarted")
+    try:
+        zygote.prestart(env)
+        (started,) = zygote._zygotes.values()
+        assert started.process.poll() is None
+        zygote.prestart(env)  # one per import environment
+        assert list(zygote._zygotes.values()) == [started]
+        log = child_folder / "child.log"
+        child = zygote.fork_runtime([sys.executable, "-m", "zygote_report", "0"], env, log)
+        assert child is not None and child.wait(timeout=120) == 0
+        assert report(log)["marker"] == "prestarted" and started.ready
+        assert zygote.start_for(env) is started
+        zygote.prestart(dict(env, **{env_names.RUNTIME_ZYGOTE: zygote.OFF}))  # zygotes switched off: none started
+        assert list(zygote._zygotes.values()) == [started]
+    finally:
+        zygote.stop_all()
+    assert zygote._zygotes == {}
+
+
+def test_a_prestarted_zygote_no_runtime_uses_exits_by_itself_and_a_new_one_serves(child_folder, monkeypatch):
+    monkeypatch.chdir(child_folder)
+    monkeypatch.setattr(zygote, "PRELOAD", ())
+    monkeypatch.setattr(zygote, "PRESTARTED_UNUSED_S", 0.5)
+    zygote.stop_all()
+    env = dict(os.environ, ZYGOTE_TEST_MARKER="unused")
+    try:
+        zygote.prestart(env)
+        (unused,) = zygote._zygotes.values()
+        wait_until(lambda: unused.process.poll() is not None, 120)
+        assert unused.process.returncode == 0
+        log = child_folder / "child.log"
+        child = zygote.fork_runtime([sys.executable, "-m", "zygote_report", "0"], env, log)
+        assert child is not None and child.wait(timeout=120) == 0 and report(log)["marker"] == "unused"
+        assert zygote.start_for(env) is not unused
+    finally:
+        zygote.stop_all()
 
 
 def test_a_zygote_per_import_environment_at_most_max_zygotes_the_idle_replaced(child_folder, monkeypatch):

@@ -33,6 +33,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    from sgl_tts.runtime.server import prestart_cpu_zygote
+
+    prestart_cpu_zygote()  # its imports beside the ones below (sgl_tts/runtime/zygote.py)
     from eval.runner import run_eval
 
     return run_eval(args.config, out=args.out, resume=args.resume, progress=False if args.no_progress else None,

@@ -49,6 +49,10 @@ def programs_command(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from sgl_tts.runtime.server import prestart_cpu_zygote
+
+    if args.device != "cuda":
+        prestart_cpu_zygote()  # its imports beside the ones below (sgl_tts/runtime/zygote.py)
     from sgl_tts.measure.cpu_use import CpuMeter
     from sgl_tts.problems import load_problems
     from sgl_tts.config import ConfigError

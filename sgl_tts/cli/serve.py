@@ -24,6 +24,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    from sgl_tts.runtime.server import prestart_cpu_zygote
+
+    prestart_cpu_zygote()  # its imports beside the ones below (sgl_tts/runtime/zygote.py)
     from sgl_tts.config import ConfigError
     from sgl_tts.serve.main import ServeConfig, serve
 

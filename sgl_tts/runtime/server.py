@@ -300,6 +300,19 @@ def server_env(config: RuntimeConfig) -> dict[str, str]:
     return env
 
 
+def prestart_cpu_zygote() -> None:
+    """Start the zygote a CPU runtime forks from (`zygote.prestart`: every CPU runtime whose config sets no `env`
+    has this import environment), without waiting: `run`, `serve` and `eval` call it before their own imports,
+    which then run beside the zygote's. Never an error of its own: where the CPU shim cannot be built or no process
+    can be started, the runtimes' own start says so."""
+    from sgl_tts.runtime.cpu_shim import ShimBuildError
+
+    try:
+        zygote.prestart(server_env(RuntimeConfig()))
+    except (ShimBuildError, OSError):
+        pass
+
+
 def share_cpu_cores(configs: dict[str, RuntimeConfig], cores: int | None = None) -> dict[str, RuntimeConfig]:
     """Give co-located CPU runtimes the cores by what they do: the generator decodes nearly all the time, the
     scorer and target runtimes work in bursts (the probe verifier: 118 of 2,772 s in one `make run`).

@@ -16,6 +16,13 @@ otherwise it is started the usual way. The zygote has never run a torch operatio
 not work) and holds no threads of its own. It exits when its owner does (`stop_all` at exit, else within
 `POLL_S` of the owner's death); the runtimes it forked have their owner's watchdogs like any other. A process
 keeps a zygote per import environment it starts runtimes with, at most MAX_ZYGOTES.
+
+`run`, `serve` and `eval` start the CPU runtimes' zygote first (`prestart`, not waited for), before their own
+imports (SGLang's frontend: ~9 s of a core before a session starts), so that the two imports run side by side on two
+cores. The process's own import of SGLang then sets SGLang's cache variables in its environment (SET_BY_SGLANG),
+which the zygote's import sets to the same values, so they are not part of the key. `sgl-tts run --limit 1` from its
+start to its runtimes ready, alternating with the zygote started after the imports, six rounds each (2-core Intel
+Xeon, load average 1.7-2.1): 24.4 [22.8-27.4] s against 29.1 [27.5-31.1].
 """
 
 from __future__ import annotations
@@ -57,14 +64,21 @@ PRELOAD = ("torch", "transformers", "sglang", "sglang.srt.plugins", "sglang.srt.
 READ_LATER = frozenset({"OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST", env_names.POLICY,
                         env_names.POLICY_TRACE, env_names.CPU_ATTENTION, env_names.CPU_LINEAR, env_names.CPU_LAYERS,
                         env_names.CPU_DECODE, env_names.CPU_SAMPLING, env_names.DP_PLACEMENT, env_names.CORE_LENDING,
-                        env_names.STEP_TRACE})
+                        env_names.STEP_TRACE, env_names.PROBE_HEAD})
+# Set by SGLang's own import (`third_party_cache_defaults`, from SGLANG_CACHE_DIR, which stays in the key) where the
+# caller's environment does not set them: a process that imported SGLang passes them on, and a zygote's import sets
+# them to the same values, so they do not tell import environments apart.
+SET_BY_SGLANG = frozenset({"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR",
+                           "FLASHINFER_WORKSPACE_BASE"})
 SAFE_PATH = "PYTHONSAFEPATH"  # Python's (3.11, `python -P`): no working folder first on a process's path
 OFF = "off"  # $SGLTTS_RUNTIME_ZYGOTE=off: every runtime started the usual way
 
 
 def import_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The part of `env` that imports may read (all of it but READ_LATER), sorted: a zygote's key."""
-    return tuple(sorted((key, value) for key, value in env.items() if key not in READ_LATER))
+    """The part of `env` that imports may read and SGLang's does not set (all of it but READ_LATER and
+    SET_BY_SGLANG), sorted: a zygote's key."""
+    return tuple(sorted((key, value) for key, value in env.items()
+                        if key not in READ_LATER and key not in SET_BY_SGLANG))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,24 +125,36 @@ def _exists(pid: int) -> bool:
 
 
 class Zygote:
-    """A zygote owned by this process. `Zygote(env)` starts it and waits until it has imported PRELOAD."""
+    """A zygote owned by this process. `Zygote(env)` starts it and waits until it has imported PRELOAD;
+    `Zygote(env, wait=False)` only starts it (`wait_ready` waits)."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None, wait: bool = True,
+                 unused_exit_s: float = 0.0):
         preload = PRELOAD if preload is None else preload
         self.folder = Path(tempfile.mkdtemp(prefix="sgl-tts-zygote-"))  # mode 0700: only this user connects
         self.socket_path = self.folder / "socket"
         self.log_path = self.folder / "zygote.log"
         self.children: list[ForkedProcess] = []
         self.owner = os.getpid()
+        self.ready = False
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", MODULE, str(self.socket_path), str(os.getpid()), ",".join(preload)],
+                [sys.executable, "-m", MODULE, str(self.socket_path), str(os.getpid()), ",".join(preload),
+                 str(unused_exit_s)],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the zygote has imported PRELOAD (at once if it has); a RuntimeError with its log if it died."""
+        if self.ready:
+            return
         line = self.process.stdout.readline().decode().strip()
         if line != READY:
             self.stop()
             raise RuntimeError(f"the runtime zygote did not start ({line!r}); log {self.log_path}:\n"
                                f"{self.log_path.read_text(errors='replace')[-2000:]}")
+        self.ready = True
 
     def fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
         """Fork a child that runs `argv` (`python -m MODULE ARGS`) with `env`, output to `log_path`."""
@@ -157,19 +183,44 @@ class Zygote:
 _lock = threading.RLock()
 _zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}  # by import environment, the least recently used first
 MAX_ZYGOTES = 2  # per process: 1.2 GB resident each (its imports), pages its runtimes share until they write them
+PRESTARTED_UNUSED_S = 300.0  # a prestarted zygote no runtime has used exits this long after its imports
 
 
 def enabled(env: dict[str, str]) -> bool:
     return env_names.read(env_names.RUNTIME_ZYGOTE, env) != OFF
 
 
+def prestart(env: dict[str, str]) -> None:
+    """Start this process's zygote for `env`'s import environment now, without waiting for its imports, where
+    there is none yet, room for one (MAX_ZYGOTES) and zygotes are on: a command that will start runtimes calls it
+    before its own imports, so that the zygote's run beside them instead of after. `start_for` then waits for it.
+    One that no runtime uses (a command whose runtimes run on CUDA, or in another environment) exits by itself
+    PRESTARTED_UNUSED_S after its imports, at the owner's exit, or when another import environment needs its
+    place, whichever comes first."""
+    key = import_environment(env)
+    with _lock:
+        _forget_inherited()
+        if key in _zygotes or len(_zygotes) >= MAX_ZYGOTES or not enabled(env):
+            return
+        try:
+            _zygotes[key] = Zygote(env, wait=False, unused_exit_s=PRESTARTED_UNUSED_S)
+        except OSError:  # no process to start now: start_for tries again when a runtime needs it
+            pass
+
+
 def start_for(env: dict[str, str]) -> Zygote | None:
-    """This process's zygote for `env`'s import environment, started if there is none (an idle one of another
-    environment stopped to keep at most MAX_ZYGOTES); None when MAX_ZYGOTES others all have runtimes alive."""
+    """This process's zygote for `env`'s import environment (waited for, if `prestart` started it), started if there
+    is none (an idle one of another environment stopped to keep at most MAX_ZYGOTES); None when MAX_ZYGOTES others
+    all have runtimes alive."""
     key = import_environment(env)
     with _lock:
         _forget_inherited()
         found = _zygotes.pop(key, None)
+        if found is not None and found.process.poll() is None and not found.ready:
+            try:
+                found.wait_ready()
+            except RuntimeError:  # its imports failed: start one afresh below (and show why if that fails too)
+                found = None
         if found is not None and found.process.poll() is not None:  # died: its runtimes are orphans now
             found.stop()
             found = None
@@ -218,18 +269,23 @@ def stop_all() -> None:
 # The zygote's side
 
 
-def serve(socket_path: str, owner: int) -> dict[str, Any] | None:
-    """Fork a child per request while `owner` lives. Returns in a child, with its request; None at the end."""
+def serve(socket_path: str, owner: int, unused_exit_s: float = 0.0) -> dict[str, Any] | None:
+    """Fork a child per request while `owner` lives (and, with `unused_exit_s` > 0, until that long after the
+    imports if no request came). Returns in a child, with its request; None at the end."""
     exits: dict[int, str] = {}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(socket_path)
         listener.listen(16)
         print(READY, flush=True)
+        unused_until = time.monotonic() + unused_exit_s if unused_exit_s > 0 else None
         while os.getppid() == owner:
             readable, _, _ = select.select([listener], [], [], POLL_S)
             reap(exits)
             if not readable:
+                if unused_until is not None and time.monotonic() > unused_until:
+                    break
                 continue
+            unused_until = None
             connection, _ = listener.accept()
             with connection:
                 request = json.loads(connection.makefile("rb").readline())
@@ -298,6 +354,6 @@ def preload(modules: list[str]) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops what it started
     preload([name for name in sys.argv[3].split(",") if name])
-    forked = serve(sys.argv[1], int(sys.argv[2]))
+    forked = serve(sys.argv[1], int(sys.argv[2]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
     if forked is not None:
         become(forked)
