@@ -140,19 +140,23 @@ def replay(samples: Sequence[Sample], every: int, stop: Stop) -> tuple[int, str 
     """(tokens, answer) of a search that sent `samples` in their order `every` at a time and stopped on `stop`."""
     if every < 1:
         raise ValueError(f"every: expected >= 1, got {every}")
-    taken: Sequence[Sample] = samples
-    for count in range(every, len(samples) + every, every):
-        taken = samples[:count]
-        if count < len(samples) and stop.rule(taken):
-            if stop.settled:
-                return sum(s.tokens for s in taken), majority_vote([s.answer for s in taken])
-            break
-    return sum(s.tokens for s in taken), weighted_vote([s.answer for s in taken], [s.score for s in taken])
+    taken = next((samples[:count] for count in range(every, len(samples), every) if stop.rule(samples[:count])),
+                 samples)
+    answers = [s.answer for s in taken]
+    if stop.settled and len(taken) < len(samples):
+        return sum(s.tokens for s in taken), majority_vote(answers)
+    return sum(s.tokens for s in taken), weighted_vote(answers, [s.score for s in taken])
 
 
 @lru_cache(maxsize=None)
 def correct(answer: str | None, gold: str) -> bool:
     return grade(answer, gold)
+
+
+@lru_cache(maxsize=None)
+def full_search_correct(search: Search) -> bool:
+    """Whether the search as it ran (every sample, the weighted vote) answered right: the same for every rule."""
+    return correct(weighted_vote([s.answer for s in search.samples], [s.score for s in search.samples]), search.gold)
 
 
 def replay_all(searches: Sequence[Search], every: int, stop: Stop, replay_seed: int) -> dict[str, Any]:
@@ -166,8 +170,7 @@ def replay_all(searches: Sequence[Search], every: int, stop: Stop, replay_seed: 
         tokens += spent
         full_tokens += sum(s.tokens for s in search.samples)
         stopped.append(correct(answer, search.gold))
-        full.append(correct(weighted_vote([s.answer for s in search.samples], [s.score for s in search.samples]),
-                            search.gold))
+        full.append(full_search_correct(search))
     difference, low, high = paired_bootstrap(full, stopped)
     return {"tokens_ratio": tokens / full_tokens, "delta_pt": 100 * difference, "low_pt": 100 * low,
             "high_pt": 100 * high, "p": mcnemar_exact(full, stopped).p_value, "solved": sum(stopped),
