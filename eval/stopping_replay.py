@@ -12,9 +12,19 @@ over them (the weighted vote of the CPU default, whose runs these are):
               stopped it, majority_vote(taken_k's answers)        (the settled vote, as `search.stopping` answers)
 
 A run would also spend what the samples in flight had generated when the rule held, so the tokens are a lower
-bound. Each replay draws one order per search (seeded by the replay, the run's seed and the problem), as one run
-would, so a replay's accuracy is paired with the full search's problem by problem (McNemar's exact p, the paired
-bootstrap's 95% interval: sgl_tts.measure.stats), and several replays show how much the order moves them.
+bound. Sent all at once (`every` TOGETHER, as a search without `stopping.stage` sends them), the samples decode in
+one batch, a token each a step, so they end in the order of their lengths, and a stop aborts the others where they
+stand:
+
+    ending  = the samples by length (ties in the order drawn)
+    stop at the first k where rule(ending[:k]) holds, or once all have ended
+    steps   = len(ending[k-1])               the decode steps until the answer (its latency, one search at a time)
+    tokens  = sum over the samples of min(len(sample), steps)        (the aborted ones' partial text included)
+    answer  = as above, over ending[:k]
+
+Each replay draws one order per search (seeded by the replay, the run's seed and the problem), as one run would, so
+a replay's accuracy is paired with the full search's problem by problem (McNemar's exact p, the paired bootstrap's
+95% interval: sgl_tts.measure.stats), and several replays show how much the order moves them.
 
 Rules (`RULES`: a family of settings of each), on the taken samples' answers and verifier scores. The first two
 are `search.stopping`'s settled rule (its own class, `SettledAnswerRule`, on the answers as the search context
@@ -23,7 +33,8 @@ such a rule could do:
 
     settled c, min m              m answers cast and the leading answer holds c of them
     agree m                       the leading answer was given by >= m samples (settled with `agree: m`,
-                                  consensus 0.1, min_answers 1, as eval/configs/stopping-agree-cpu.yaml runs it)
+                                  consensus 0.1, min_answers 1, as eval/configs/stopping-agree-cpu.yaml runs it;
+                                  with `consensus 0.5` it also holds half the answers)
     top score tau                 some answered sample scores >= tau
     lead tau, min m, share c      the vote's leading answer has >= m samples, >= c of the answered samples'
                                   scores, and one of them scores >= tau
@@ -48,6 +59,7 @@ from sgl_tts.search.selection import group_answers, majority_vote, weighted_vote
 from sgl_tts.search.stopping import SettledAnswerRule
 
 FLOOR_PT = 5.0  # the interval's lower end a chosen setting keeps above -FLOOR_PT points (issue 26's target)
+TOGETHER = 0  # `every` of a search that sends all its samples at once
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,7 @@ RULES: dict[str, Stop] = {
     **{f"settled {consensus}, min {minimum}": Stop(settled(consensus, minimum), settled=True)
        for consensus in (0.6, 0.75) for minimum in (3, 4)},
     **{f"agree {minimum}": Stop(agree(minimum), settled=True) for minimum in (2, 3, 4)},
+    "agree 2, consensus 0.5": Stop(settled(0.5, 1, 2), settled=True),
     **{f"top score {tau}": Stop(top_score(tau)) for tau in (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)},
     **{f"lead {tau}, min {minimum}, share {share}": Stop(lead(tau, minimum, share))
        for tau in (0.0, 0.9, 0.99) for minimum in (2, 3) for share in (0.0, 0.5, 0.7)},
@@ -142,10 +155,24 @@ def replay(samples: Sequence[Sample], every: int, stop: Stop) -> tuple[int, str 
         raise ValueError(f"every: expected >= 1, got {every}")
     taken = next((samples[:count] for count in range(every, len(samples), every) if stop.rule(samples[:count])),
                  samples)
+    return sum(s.tokens for s in taken), answer_of(taken, stop, stopped=len(taken) < len(samples))
+
+
+def replay_together(samples: Sequence[Sample], stop: Stop) -> tuple[int, str | None, int]:
+    """(tokens, answer, steps) of a search that sent `samples` all at once and stopped on `stop` as they ended."""
+    ending = sorted(samples, key=lambda s: s.tokens)  # stable: samples of one length end in the order drawn
+    count = next((k for k in range(1, len(ending)) if stop.rule(ending[:k])), len(ending))
+    steps = ending[count - 1].tokens if ending else 0
+    return sum(min(s.tokens, steps) for s in samples), answer_of(ending[:count], stop, count < len(ending)), steps
+
+
+def answer_of(taken: Sequence[Sample], stop: Stop, stopped: bool) -> str | None:
+    """A search's answer from the samples it heard: the settled vote where a settled rule stopped it, else the
+    selection (the weighted vote)."""
     answers = [s.answer for s in taken]
-    if stop.settled and len(taken) < len(samples):
-        return sum(s.tokens for s in taken), majority_vote(answers)
-    return sum(s.tokens for s in taken), weighted_vote(answers, [s.score for s in taken])
+    if stop.settled and stopped:
+        return majority_vote(answers)
+    return weighted_vote(answers, [s.score for s in taken])
 
 
 @lru_cache(maxsize=None)
@@ -160,21 +187,28 @@ def full_search_correct(search: Search) -> bool:
 
 
 def replay_all(searches: Sequence[Search], every: int, stop: Stop, replay_seed: int) -> dict[str, Any]:
-    """One replay of every search (one order each): tokens against the full searches' and the paired accuracy."""
-    tokens = full_tokens = 0
+    """One replay of every search (one order each): tokens against the full searches' and the paired accuracy; sent
+    TOGETHER, also the decode steps until the answers against the full searches' (their longest samples')."""
+    tokens = full_tokens = steps = full_steps = 0
     stopped, full = [], []
     for search in searches:
         order = list(search.samples)
         random.Random(f"{replay_seed}/{search.seed}/{search.problem_id}").shuffle(order)
-        spent, answer = replay(order, every, stop)
+        if every == TOGETHER:
+            spent, answer, taken_steps = replay_together(order, stop)
+            steps += taken_steps
+            full_steps += max(s.tokens for s in order)
+        else:
+            spent, answer = replay(order, every, stop)
         tokens += spent
         full_tokens += sum(s.tokens for s in search.samples)
         stopped.append(correct(answer, search.gold))
         full.append(full_search_correct(search))
     difference, low, high = paired_bootstrap(full, stopped)
-    return {"tokens_ratio": tokens / full_tokens, "delta_pt": 100 * difference, "low_pt": 100 * low,
-            "high_pt": 100 * high, "p": mcnemar_exact(full, stopped).p_value, "solved": sum(stopped),
-            "solved_full": sum(full), "searches": len(searches)}
+    out = {"tokens_ratio": tokens / full_tokens, "delta_pt": 100 * difference, "low_pt": 100 * low,
+           "high_pt": 100 * high, "p": mcnemar_exact(full, stopped).p_value, "solved": sum(stopped),
+           "solved_full": sum(full), "searches": len(searches)}
+    return out | ({"steps_ratio": steps / full_steps} if every == TOGETHER else {})
 
 
 def halves(searches: Sequence[Search]) -> tuple[list[Search], list[Search]]:
@@ -186,7 +220,7 @@ def halves(searches: Sequence[Search]) -> tuple[list[Search], list[Search]]:
 
 def medians(replays: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = {key: statistics.median(r[key] for r in replays) for key in replays[0]}
-    for key in ("tokens_ratio", "delta_pt", "low_pt"):
+    for key in ("tokens_ratio", "delta_pt", "low_pt", "steps_ratio")[:4 if "steps_ratio" in out else 3]:
         out[key + "_range"] = (min(r[key] for r in replays), max(r[key] for r in replays))
     return out
 

@@ -12,13 +12,15 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.stopping_replay import FLOOR_PT, report, searches_from
+from eval.stopping_replay import FLOOR_PT, TOGETHER, report, searches_from
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results.jsonl files of best_of_n runs")
-    parser.add_argument("--every", type=int, default=4, help="samples sent at a time (the rule asked after each)")
+    parser.add_argument("--every", type=int, default=4,
+                        help=f"samples sent at a time (the rule asked after each); {TOGETHER}: all at once, the rule "
+                             "asked as each ends (they end in the order of their lengths), the others then aborted")
     parser.add_argument("--replays", type=int, default=5, help="orders drawn per search")
     args = parser.parse_args()
     searches = []
@@ -26,16 +28,20 @@ def main() -> None:
         with path.open() as lines:
             searches += searches_from((json.loads(line) for line in lines if line.strip()), where=str(path))
     out = report(searches, every=args.every, replays=args.replays)
-    print(f"{len(searches)} searches, {args.every} samples at a time, medians of {args.replays} replays [min-max]")
+    together = args.every == TOGETHER
+    sent = "all samples at once" if together else f"{args.every} samples at a time"
+    print(f"{len(searches)} searches, {sent}, medians of {args.replays} replays [min-max]")
     print("| rule | tokens (choosing half) | Δ pt, low end (choosing) | tokens (reporting half) | Δ pt [95% CI], p "
-          "(reporting) | solved |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "(reporting) | solved |" + (" decode steps (reporting) |" if together else ""))
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if together else ""))
     for name, row in out["table"].items():
         c, r = row["choosing"], row["reporting"]
+        steps = (f" {r['steps_ratio']:.2f} [{r['steps_ratio_range'][0]:.2f}-{r['steps_ratio_range'][1]:.2f}] |"
+                 if together else "")
         print(f"| {name} | {c['tokens_ratio']:.2f} | {c['delta_pt']:+.1f}, {c['low_pt']:+.1f} "
               f"| {r['tokens_ratio']:.2f} [{r['tokens_ratio_range'][0]:.2f}-{r['tokens_ratio_range'][1]:.2f}] "
               f"| {r['delta_pt']:+.1f} [{r['low_pt']:+.1f}, {r['high_pt']:+.1f}], p {r['p']:.2f} "
-              f"| {r['solved']:.0f} of {r['searches']} against {r['solved_full']} |")
+              f"| {r['solved']:.0f} of {r['searches']} against {r['solved_full']} |" + steps)
     print(f"chosen (fewest tokens with the choosing half's interval above -{FLOOR_PT:g} pt): {out['chosen']}")
 
 

@@ -145,6 +145,31 @@ def test_best_of_n_is_compared_with_the_majority_of_its_own_samples():
     assert len(drawn) == len(problems), "greedy is the only arm drawn anew"
 
 
+def test_a_best_of_n_that_may_stop_early_draws_its_one_sample_anew():
+    """The samples a stopped search kept are the ones that ended first (the short ones), not a uniform draw: the
+    one-sample arm draws anew at the search's temperature; self-consistency is still the majority of its samples."""
+    from sgl_tts.app.compare import keeps_every_sample
+    from sgl_tts.search.budget import Budget
+    from sgl_tts.search.stopping import Stopping
+
+    agree = Stopping(rule="settled", consensus=0.1, min_answers=1, agree=2, programs=("best_of_n",))
+    search = SearchConfig(program="best_of_n", n=4, max_steps=2, max_step_tokens=16, max_tokens=32, temperature=0.7,
+                          stopping=agree)
+    assert not keeps_every_sample(search) and keeps_every_sample(dataclasses.replace(search, stopping=Stopping()))
+    assert keeps_every_sample(dataclasses.replace(search, stopping=dataclasses.replace(agree, programs=("dvts",))))
+    assert not keeps_every_sample(dataclasses.replace(search, stopping=Stopping(), budget=Budget(max_tokens=100)))
+    assert not keeps_every_sample(dataclasses.replace(search, program="beam_search", stopping=Stopping()))
+    session = ScriptedSession(RunConfig(search=search))
+    problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(4)]
+    searched = list(session.solve_all(problems))
+    lines = []
+    greedy, sample, search_arm, sc_arm = run_comparison(session, problems, searched, log=lines.append)
+    drawn = [(r.problem_id, len(r.candidates)) for p, _, r in session.solved if p == "self_consistency"]
+    assert sorted(drawn) == sorted([(p.id, 1) for p in problems] * 2), "greedy and one sample, each problem once"
+    assert "one of each search's samples" not in lines[0] and sc_arm.label == "self-consistency, the same samples"
+    assert sc_arm.tokens_per_problem == search_arm.tokens_per_problem
+
+
 def test_the_table_gives_wilson_intervals_tokens_per_solved_and_the_paired_test_against_greedy():
     from sgl_tts.app.compare import ArmSummary
     from sgl_tts.measure.stats import mcnemar_exact

@@ -248,6 +248,45 @@ def test_a_staged_best_of_n_with_agree_stops_at_the_first_answer_given_that_ofte
     assert len(backend.requests) < 16, "the samples past the settled vote and the stage were not sent"
 
 
+@pytest.mark.parametrize("program", ["beam_search", "best_of_n"])
+def test_rules_for_named_programs_stop_those_programs_and_no_other(program):
+    base = SearchConfig(program=program, n=8, beam_width=2, max_steps=8, max_tokens=10_000)
+    rule = Stopping(rule="settled", consensus=0.6, min_answers=2)
+    plain, plain_backend, _, _ = run(program, base, AGREEING)
+    named, _, _, _ = run(program, dataclasses.replace(base, stopping=dataclasses.replace(rule, programs=(program,))),
+                         AGREEING)
+    other_rule = dataclasses.replace(rule, programs=("dvts", "self_consistency"))
+    other, other_backend, _, context = run(program, dataclasses.replace(base, stopping=other_rule), AGREEING)
+    assert named.finish_reason == "settled" and named.answer == "0"
+    assert other.finish_reason == "complete" and context.stopping == Stopping()
+    assert other.answer == plain.answer and len(other_backend.requests) == len(plain_backend.requests)
+    # a program run without a search of its own starts one for the rules that stop it, and none for the others
+    runtimes = Runtimes(generator=ScriptedBackend(AGREEING), scorer=ScriptedScorer(), prompt=lambda q: PROMPT)
+    unbound = load_program(program)(PROBLEM, dataclasses.replace(base, stopping=dataclasses.replace(
+        rule, programs=(program,))), runtimes)
+    assert unbound.finish_reason == "settled"
+    assert Stopping(programs=("best_of_n",)).beneath("best_of_n").programs == ("best_of_n",)
+    with pytest.raises(ValueError, match="stopping.programs"):
+        Stopping(programs=("best_of_n", " "))
+
+
+def test_best_of_n_sent_at_once_stops_when_two_samples_agree_and_aborts_the_rest():
+    """No stage: the samples go out together, the rule hears them as they end, and once two gave one answer the
+    search answers with it; the samples still on their way are aborted (the paced backend answers one at a time)."""
+    config = SearchConfig(program="best_of_n", n=16, max_tokens=10_000,
+                          stopping=Stopping(rule="settled", consensus=0.1, min_answers=1, agree=2))
+    backend, scorer = PacedBackend(ScriptedModel(answers=3)), ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
+    context = runtimes.new_search(config, PROBLEM.id)
+    settled = load_program("best_of_n")(PROBLEM, config, runtimes, context)
+    vote = context.settled_vote
+    assert settled.finish_reason == "settled" and len(vote) <= 4, "three answers, two of them alike, at most"
+    assert collections.Counter(vote).most_common(1)[0][1] == 2 and settled.answer == vote[-1]
+    assert all(max(collections.Counter(vote[:k]).values()) < 2 for k in range(1, len(vote))), "settled at once"
+    assert not scorer.calls and context.in_flight() == []
+    assert end_program_states([backend]) == 0
+
+
 def test_a_stage_without_a_rule_changes_no_answer():
     base = SearchConfig(n=6, beam_width=2, max_steps=6, max_tokens=10_000)
     plain, plain_backend, _, _ = run("beam_search", base)

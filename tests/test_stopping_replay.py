@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from eval.stopping_replay import (RULES, Sample, Search, Stop, agree, halves, lead, replay, replay_all,
-                                  report, searches_from, settled, top_score)
+from eval.stopping_replay import (RULES, TOGETHER, Sample, Search, Stop, agree, halves, lead, replay, replay_all,
+                                  replay_together, report, searches_from, settled, top_score)
 from sgl_tts.search.selection import majority_vote, weighted_vote
 
 
@@ -33,6 +33,34 @@ def test_a_replay_stops_at_the_first_stage_its_rule_holds_and_answers_as_the_sea
             assert answer == expected
     with pytest.raises(ValueError, match="every"):
         replay(samples_of(rng, 3), 0, Stop(agree(2)))
+
+
+def test_samples_sent_together_end_step_by_step_and_a_stop_aborts_the_others_where_they_stand():
+    """replay_together against a step-by-step simulation of one batch: every live sample writes a token a step;
+    those whose length is reached end, in the order drawn, the rule asked after each."""
+    rng = random.Random(7)
+    for _ in range(300):
+        samples = samples_of(rng, rng.randint(1, 10))
+        for stop in (Stop(agree(2), settled=True), Stop(settled(0.5, 1, 2), settled=True), Stop(top_score(0.8)),
+                     Stop(lambda taken: False)):
+            ended, written, stopped_at = [], [0] * len(samples), None
+            for step in range(1, max(s.tokens for s in samples) + 1):
+                for i, sample in enumerate(samples):
+                    if sample.tokens >= step:
+                        written[i] += 1
+                for sample in samples:
+                    if sample.tokens == step and stopped_at is None:
+                        ended.append(sample)
+                        if len(ended) < len(samples) and stop.rule(ended):
+                            stopped_at = step
+                if stopped_at is not None:
+                    break
+            tokens, answer, steps = replay_together(samples, stop)
+            assert steps == (stopped_at or max(s.tokens for s in samples))
+            assert tokens == sum(written)
+            answers, scores = [s.answer for s in ended], [s.score for s in ended]
+            assert answer == (majority_vote(answers) if stopped_at is not None and stop.settled
+                              else weighted_vote(answers, scores))
 
 
 def test_the_rules_read_the_taken_samples_as_their_definitions_say():
@@ -65,6 +93,9 @@ def test_a_replay_of_every_search_pairs_its_accuracy_with_the_full_searches():
     out = report(searches, every=4, replays=2, rules=rules)
     assert out["chosen"] == "never", "only a settled rule is chosen (a run can use it)"
     assert out["table"]["never"]["reporting"]["tokens_ratio"] == 1
+    together = replay_all(searches, TOGETHER, Stop(agree(2), settled=True), replay_seed=0)
+    assert together["tokens_ratio"] < 1 and 0 < together["steps_ratio"] < 1
+    assert replay_all(searches, TOGETHER, Stop(lambda taken: False), replay_seed=0)["steps_ratio"] == 1
 
 
 def test_result_lines_of_another_program_or_without_their_result_are_refused_by_line():

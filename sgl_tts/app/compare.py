@@ -2,10 +2,12 @@
 
 Two references, then two arms (three when asked), on the same problems:
 0. greedy: one answer at temperature 0 (the reference every arm is compared to), and one sample at the
-   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, one of each search's samples: no new draw).
-   `sgl-tts run` solves greedy beside the search's last problems (`GreedyReference`): its requests fill the batch
-   slots the search leaves as its last problems end, where on its own it would be a batch of short answers
-   waiting on its longest (about 45 s of `make run` on 2 cores);
+   search's temperature (for best-of-N, `WHOLE_SAMPLE_PROGRAMS`, one of each search's samples: no new draw; drawn
+   anew where a stopping rule or a budget may end the search early, as the samples it kept are then the ones that
+   ended first, the short ones, and not a uniform draw).
+   `sgl-tts run` solves greedy (and a sample drawn anew) beside the search's last problems (`GreedyReference`):
+   their requests fill the batch slots the search leaves as its last problems end, where on their own they would be
+   a batch of short answers waiting on its longest (about 45 s of `make run` on 2 cores);
 1. the configured search (the CPU default: best-of-N with its verifier, FastTTS switches as configured);
 2. self-consistency (majority vote, no verifier) at matched generated tokens. When arm 1's candidates are
    independent whole solutions (best-of-N, `WHOLE_SAMPLE_PROGRAMS`) it is the majority of those very samples:
@@ -134,39 +136,50 @@ def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None =
     return console_table(columns, rows, rule=True)
 
 
+def keeps_every_sample(search: Any) -> bool:
+    """Whether each search's result holds all its n independent samples (a whole-sample program that no stopping
+    rule or budget ends early), so that one of them, drawn uniformly, is one sample at the search's temperature."""
+    return (search.program in WHOLE_SAMPLE_PROGRAMS and not search.budget.active
+            and search.stopping.beneath(search.program).rule == "none")
+
+
 def one_sample_search(search: Any) -> Any:
     """The search config of one sample at the search's temperature (self-consistency of n = 1)."""
     return dataclasses.replace(search, program="self_consistency", n=1)
 
 
 class GreedyReference:
-    """The greedy arm, solved on a thread of its own beside the search: `follow` passes the search's results
-    through and starts it once `start_after` of them have passed (the search's last problems are then all in
-    flight); `results` waits for it, starting it first if nothing did."""
+    """The reference arms, solved on threads of their own beside the search: greedy, and one sample at the search's
+    temperature where it is drawn anew (`keeps_every_sample`), every problem at once. `follow` passes the search's
+    results through and starts them once `start_after` of them have passed (the search's last problems are then all
+    in flight); `results` waits for an arm, starting them first if nothing did."""
 
     def __init__(self, session: Any, problems: Sequence[Any]):
         self.session, self.problems = session, list(problems)
-        self.started_after: int | None = None  # search results passed when it started
-        self._pairs: list[tuple[Any, SearchResult]] = []
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        search = session.config.search
+        self.searches = {"greedy": dataclasses.replace(one_sample_search(search), temperature=0.0)}
+        if not keeps_every_sample(search):
+            self.searches["one sample"] = one_sample_search(search)
+        self.started_after: int | None = None  # search results passed when they started
+        self._pairs: dict[str, list[tuple[Any, SearchResult]]] = {name: [] for name in self.searches}
+        self._errors: list[BaseException] = []
+        self._threads: list[threading.Thread] = []
 
     def start(self, passed: int | None = None) -> None:
         """Start solving, `passed` search results into the search (None: after it)."""
-        if self._thread is not None:
+        if self._threads:
             return
         self.started_after = passed
-        greedy = dataclasses.replace(one_sample_search(self.session.config.search), temperature=0.0)
+        for name, search in self.searches.items():
+            def solve(name: str = name, search: Any = search) -> None:
+                try:  # every problem at once: one answer per problem is a small batch
+                    self._pairs[name].extend(self.session.solve_all(self.problems, search=lambda p: search,
+                                                                    concurrency=len(self.problems)))
+                except BaseException as exc:  # handed to the thread that asks for the results
+                    self._errors.append(exc)
 
-        def solve() -> None:
-            try:  # every problem at once: one answer per problem is a small batch
-                self._pairs.extend(self.session.solve_all(self.problems, search=lambda p: greedy,
-                                                          concurrency=len(self.problems)))
-            except BaseException as exc:  # handed to the thread that asks for the results
-                self._error = exc
-
-        self._thread = threading.Thread(target=solve, name="greedy-reference", daemon=True)
-        self._thread.start()
+            self._threads.append(threading.Thread(target=solve, name=f"reference-{name}", daemon=True))
+            self._threads[-1].start()
 
     def follow(self, pairs: Iterable[tuple[Any, SearchResult]], start_after: int) -> Iterator[tuple[Any, Any]]:
         passed = 0
@@ -178,12 +191,13 @@ class GreedyReference:
                 self.start(passed)
             yield pair
 
-    def results(self) -> list[tuple[Any, SearchResult]]:
+    def results(self, arm: str = "greedy") -> list[tuple[Any, SearchResult]]:
         self.start()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._pairs
+        for thread in self._threads:
+            thread.join()
+        if self._errors:
+            raise self._errors[0]
+        return self._pairs[arm]
 
 
 def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tuple[Any, SearchResult]],
@@ -197,17 +211,18 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     search_label = f"{config.search.program} n={config.search.n}, {config.scorer.kind} verifier"
     one = one_sample_search(config.search)
     whole_samples = config.search.program in WHOLE_SAMPLE_PROGRAMS
+    every_sample = keeps_every_sample(config.search)
     greedy = greedy or GreedyReference(session, problems)
     beside = (f", solved beside the search's last {len(searched) - greedy.started_after} problems (its latency "
               "under their load)" if greedy.started_after is not None else "")
     log("\ngreedy (one answer at temperature 0), the reference" + beside + (
         f"; one sample at temperature {one.temperature:g}: one of each search's samples, drawn uniformly"
-        if whole_samples else
-        ", and one sample at the search's temperature"))
+        if every_sample else
+        ", and one sample at the search's temperature, drawn anew"))
     arms = [ArmSummary.of("greedy, one answer", greedy.results()),
             ArmSummary.of(f"one sample, temperature {one.temperature:g}",
-                          [(problem, one_sample(result)) for problem, result in searched] if whole_samples else
-                          list(session.solve_all(problems, search=lambda p: one)))]
+                          [(problem, one_sample(result)) for problem, result in searched] if every_sample else
+                          greedy.results("one sample"))]
     arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
     if whole_samples:

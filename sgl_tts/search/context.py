@@ -96,7 +96,8 @@ class SearchContext:
         self.clock = clock
         self.on_stop = on_stop
         self.budget: Budget = getattr(config, "budget", None) or Budget()
-        self.stopping: Stopping = getattr(config, "stopping", None) or Stopping()
+        stopping = getattr(config, "stopping", None) or Stopping()
+        self.stopping: Stopping = stopping.beneath(getattr(config, "program", ""))  # none where it names others
         self.stop_reason: str | None = None  # why the search stopped early, once it has
         self.confidence_rule = (TraceConfidenceRule(self.stopping.window, self.stopping.keep_fraction,
                                                     self.stopping.warmup) if self.stopping.confidence else None)

@@ -30,10 +30,12 @@ ancestors' and its own) gave it (Dynasor's certaindex asks for consecutive agree
 before any work is done, often a number from the question, is not cast. The probes are requests of the search:
 their tokens count.
 
-`stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight, the
-others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the first
-paths' answers can settle the vote before the rest are sent. Sequential sampling with a stopping test is what
-Adaptive-Consistency and DeepConf's online mode do within one program; here the program is unchanged.
+`programs` limits the rules to the programs named (a config tuned for one program, such as the CPU default's for
+best-of-N, run with another program stops nothing). `stage` staggers any program beneath it: at most `stage` of the
+search's generator requests are in flight, the others wait in the order they were sent and go out as earlier ones
+end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the rest are sent.
+Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do within one
+program; here the program is unchanged.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Stopping:
     answer_cue: str = "The answer is $\\boxed{"  # live: what a probe appends to a path (the system prompt's ending)
     probe_tokens: int = 8  # live: greedy tokens a probe may write before its closing brace
     steady: int = 1  # live: a path's answer is cast once its last `steady` probes (its ancestors' too) agree
+    programs: tuple[str, ...] = ()  # the programs these rules stop (by `search.program`; empty: every program)
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -84,6 +87,12 @@ class Stopping:
         for name in ("keep_fraction", "consensus"):
             if not 0 < getattr(self, name) <= 1:
                 raise FieldValueError(name, f"stopping.{name} must be in (0, 1], got {getattr(self, name)}")
+        if not all(isinstance(name, str) and name.strip() for name in self.programs):
+            raise FieldValueError("programs", f"stopping.programs must be program names, got {list(self.programs)!r}")
+
+    def beneath(self, program: str) -> "Stopping":
+        """These rules where they stop `program`, else none (`programs` names others)."""
+        return self if not self.programs or program in self.programs else Stopping()
 
     @property
     def confidence(self) -> bool:
