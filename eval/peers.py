@@ -59,6 +59,7 @@ class PeersOptions:
     max_tokens: int | None = None
     step_delimiter: str | None = None  # escapes allowed
     seed: int = 0
+    stopping: str | None = None  # sgl-tts's `search.stopping` as a YAML mapping, e.g. "{rule: settled, agree: 2}"
     out: str = "bench-peers"
     log_dir: str | None = None
     report_only: bool = False  # report the results in `out`, run nothing
@@ -73,9 +74,27 @@ def run_config(options: PeersOptions) -> Any:
                  if getattr(options, name) is not None}
     if options.step_delimiter is not None:
         overrides["step_delimiter"] = options.step_delimiter.encode().decode("unicode_escape")
+    if options.stopping is not None:
+        overrides["stopping"] = stopping_option(options.stopping)
     search = dataclasses.replace(config.search, seed=options.seed, **overrides)
     check_settings(search)
     return dataclasses.replace(config, search=search, concurrency=1, log_dir=options.log_dir)
+
+
+def stopping_option(text: str) -> Any:
+    """`--stopping`: the stopping rules beneath sgl-tts's programs (the peers have none of their own), a YAML
+    mapping of `search.stopping`'s keys; a bad one is a ConfigError naming the key."""
+    import yaml
+
+    from sgl_tts.config import ConfigError, load_dataclass
+    from sgl_tts.search.stopping import Stopping
+
+    try:
+        mapping = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--stopping: expected a YAML mapping such as '{{rule: settled, agree: 2}}' "
+                          f"({exc})") from None
+    return load_dataclass(Stopping, mapping, source="--stopping", prefix="search.stopping.")
 
 
 def rotated(items: list[Any], by: int) -> list[Any]:

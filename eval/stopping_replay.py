@@ -220,8 +220,9 @@ def halves(searches: Sequence[Search]) -> tuple[list[Search], list[Search]]:
 
 def medians(replays: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = {key: statistics.median(r[key] for r in replays) for key in replays[0]}
-    for key in ("tokens_ratio", "delta_pt", "low_pt", "steps_ratio")[:4 if "steps_ratio" in out else 3]:
-        out[key + "_range"] = (min(r[key] for r in replays), max(r[key] for r in replays))
+    for key in ("tokens_ratio", "delta_pt", "low_pt", "steps_ratio"):
+        if key in out:
+            out[key + "_range"] = (min(r[key] for r in replays), max(r[key] for r in replays))
     return out
 
 

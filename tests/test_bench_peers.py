@@ -192,6 +192,26 @@ def test_a_top_p_the_peers_cannot_send_is_refused():
         check_settings(dataclasses.replace(SEARCH, top_p=0.9))
 
 
+def test_stopping_beneath_sgl_tts_programs_is_a_yaml_mapping_checked_key_by_key():
+    from eval.peers import PeersOptions, run_config
+    from sgl_tts.config import ConfigError
+    from sgl_tts.search.stopping import Stopping
+
+    config = run_config(PeersOptions(stopping="{rule: settled, consensus: 0.1, min_answers: 1, agree: 2, "
+                                              "programs: [best_of_n]}"))
+    assert config.search.stopping == Stopping(rule="settled", consensus=0.1, min_answers=1, agree=2,
+                                              programs=("best_of_n",))
+    assert config.concurrency == 1 and run_config(PeersOptions()).search.stopping == Stopping()
+    with pytest.raises(ConfigError, match="search.stopping.agre"):
+        run_config(PeersOptions(stopping="{rule: settled, agre: 2}"))
+    with pytest.raises(ConfigError, match="stopping.agree must be at least 1"):
+        run_config(PeersOptions(stopping="{rule: settled, agree: 0}"))
+    with pytest.raises(ConfigError, match="--stopping: expected a YAML mapping"):
+        run_config(PeersOptions(stopping="{rule: settled"))
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        run_config(PeersOptions(stopping="settled"))
+
+
 # ---- its-hub ----------------------------------------------------------------------------------------------------
 
 

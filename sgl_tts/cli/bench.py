@@ -227,6 +227,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the config's")
     parser.add_argument("--step-delimiter", default=None, help="escapes allowed (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stopping", default=None,
+                        help="stopping rules beneath sgl-tts's programs, a YAML mapping of search.stopping's keys, "
+                             "e.g. '{rule: settled, consensus: 0.1, min_answers: 1, agree: 2, programs: [best_of_n]}' "
+                             "(default: the config's)")
     parser.add_argument("--out", default="bench-peers",
                         help="folder of peers.jsonl (resumed when it exists), peers.md and the frontier plots")
     parser.add_argument("--log-dir", default=None, help="runtime logs (default: a temporary folder)")

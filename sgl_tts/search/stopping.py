@@ -30,12 +30,11 @@ ancestors' and its own) gave it (Dynasor's certaindex asks for consecutive agree
 before any work is done, often a number from the question, is not cast. The probes are requests of the search:
 their tokens count.
 
-`programs` limits the rules to the programs named (a config tuned for one program, such as the CPU default's for
-best-of-N, run with another program stops nothing). `stage` staggers any program beneath it: at most `stage` of the
-search's generator requests are in flight, the others wait in the order they were sent and go out as earlier ones
-end (`SearchContext.request_sent`), so the first paths' answers can settle the vote before the rest are sent.
-Sequential sampling with a stopping test is what Adaptive-Consistency and DeepConf's online mode do within one
-program; here the program is unchanged.
+`programs` limits the rules to the programs named (a config tuned for best-of-N, run with another program, stops
+nothing). `stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight,
+the others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the
+first paths' answers can settle the vote before the rest are sent. Sequential sampling with a stopping test is what
+Adaptive-Consistency and DeepConf's online mode do within one program; here the program is unchanged.
 """
 
 from __future__ import annotations
