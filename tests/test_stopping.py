@@ -265,6 +265,8 @@ def test_rules_for_named_programs_stop_those_programs_and_no_other(program):
     unbound = load_program(program)(PROBLEM, dataclasses.replace(base, stopping=dataclasses.replace(
         rule, programs=(program,))), runtimes)
     assert unbound.finish_reason == "settled"
+    unbound_other = load_program(program)(PROBLEM, dataclasses.replace(base, stopping=other_rule), runtimes)
+    assert unbound_other.finish_reason == "complete" and unbound_other.answer == plain.answer
     assert Stopping(programs=("best_of_n",)).beneath("best_of_n").programs == ("best_of_n",)
     with pytest.raises(ValueError, match="stopping.programs"):
         Stopping(programs=("best_of_n", " "))
