@@ -7,7 +7,7 @@ recorded per search, median [min-max], and the difference per recorded window. T
 SGLang's interpreter threads, whose scheduling spreads its time far more than the recording costs, so the
 recording's own parts are timed directly too: one `RequestLedger.window` call with windows on and off, and
 building one search's timeline (`SearchContext.timeline`), median [min-max] of the repeats. A search on a real runtime takes
-seconds (one SmolLM2 beam search of n = 16: about 45 s, README), so the difference per search set against that
+seconds (a SmolLM2 beam search of n = 16: about 45 s, docs/benchmarks.md), so the difference per search set against that
 is the recording's overhead there. Building the timeline (`SearchContext.timeline`, once per search) is inside
 the "on" time.
 """
