@@ -35,9 +35,14 @@ such a rule could do:
     agree m                       the leading answer was given by >= m samples (settled with `agree: m`,
                                   consensus 0.1, min_answers 1, as eval/configs/stopping-agree-cpu.yaml runs it;
                                   with `consensus 0.5` it also holds half the answers)
+    ended m                       m samples have been taken (sent together: the m shortest have ended), whatever
+                                  they answered: what answering from the first samples alone would spend
     top score tau                 some answered sample scores >= tau
     lead tau, min m, share c      the vote's leading answer has >= m samples, >= c of the answered samples'
                                   scores, and one of them scores >= tau
+
+`as_self_consistency` replays the searches as self-consistency: every sample weighs one, so the selection (the
+weighted vote) becomes the plain majority of the samples' answers.
 
 A rule's setting is chosen on one half of the problems (the even positions of the sorted problem ids) and reported
 on the other, as issue 26 asks: of the settled rules, the setting of the fewest tokens whose median interval over the
@@ -49,7 +54,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -107,6 +112,17 @@ def searches_from(lines: Iterable[dict[str, Any]], where: str = "results") -> li
     return searches
 
 
+def as_self_consistency(searches: Sequence[Search]) -> list[Search]:
+    """The searches with every sample weighing one: their selection, the weighted vote, is then the majority vote
+    (equal weights sum to the group's size, ties to the earliest group, as `majority_vote` picks)."""
+    return [replace(search, samples=tuple(replace(sample, score=1.0) for sample in search.samples))
+            for search in searches]
+
+
+def ended(minimum: int) -> Rule:
+    return lambda taken: len(taken) >= minimum
+
+
 def top_score(tau: float) -> Rule:
     return lambda taken: any(s.answer is not None and s.score >= tau for s in taken)
 
@@ -143,6 +159,7 @@ RULES: dict[str, Stop] = {
        for consensus in (0.6, 0.75) for minimum in (3, 4)},
     **{f"agree {minimum}": Stop(agree(minimum), settled=True) for minimum in (2, 3, 4)},
     "agree 2, consensus 0.5": Stop(settled(0.5, 1, 2), settled=True),
+    **{f"ended {minimum}": Stop(ended(minimum)) for minimum in (2, 4, 8)},
     **{f"top score {tau}": Stop(top_score(tau)) for tau in (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)},
     **{f"lead {tau}, min {minimum}, share {share}": Stop(lead(tau, minimum, share))
        for tau in (0.0, 0.9, 0.99) for minimum in (2, 3) for share in (0.0, 0.5, 0.7)},

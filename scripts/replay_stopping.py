@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.stopping_replay import FLOOR_PT, TOGETHER, report, searches_from
+from eval.stopping_replay import FLOOR_PT, TOGETHER, as_self_consistency, report, searches_from
 
 
 def main() -> None:
@@ -22,15 +22,20 @@ def main() -> None:
                         help=f"samples sent at a time (the rule asked after each); {TOGETHER}: all at once, the rule "
                              "asked as each ends (they end in the order of their lengths), the others then aborted")
     parser.add_argument("--replays", type=int, default=5, help="orders drawn per search")
+    parser.add_argument("--majority", action="store_true",
+                        help="replay as self-consistency: every sample weighs one (the plain majority of the answers)")
     args = parser.parse_args()
     searches = []
     for path in args.results:
         with path.open() as lines:
             searches += searches_from((json.loads(line) for line in lines if line.strip()), where=str(path))
+    if args.majority:
+        searches = as_self_consistency(searches)
     out = report(searches, every=args.every, replays=args.replays)
     together = args.every == TOGETHER
     sent = "all samples at once" if together else f"{args.every} samples at a time"
-    print(f"{len(searches)} searches, {sent}, medians of {args.replays} replays [min-max]")
+    selection = ", as self-consistency (the majority)" if args.majority else ""
+    print(f"{len(searches)} searches{selection}, {sent}, medians of {args.replays} replays [min-max]")
     print("| rule | tokens (choosing half) | Δ pt, low end (choosing) | tokens (reporting half) | Δ pt [95% CI], p "
           "(reporting) | solved |" + (" decode steps (reporting) |" if together else ""))
     print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if together else ""))

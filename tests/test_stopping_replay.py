@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from eval.stopping_replay import (RULES, TOGETHER, Sample, Search, Stop, agree, halves, lead, replay, replay_all,
-                                  replay_together, report, searches_from, settled, top_score)
+from eval.stopping_replay import (RULES, TOGETHER, Sample, Search, Stop, agree, as_self_consistency, ended,
+                                  full_search_correct, halves, lead, replay, replay_all, replay_together, report,
+                                  searches_from, settled, top_score)
 from sgl_tts.search.selection import majority_vote, weighted_vote
 
 
@@ -42,23 +43,23 @@ def test_samples_sent_together_end_step_by_step_and_a_stop_aborts_the_others_whe
     for _ in range(300):
         samples = samples_of(rng, rng.randint(1, 10))
         for stop in (Stop(agree(2), settled=True), Stop(settled(0.5, 1, 2), settled=True), Stop(top_score(0.8)),
-                     Stop(lambda taken: False)):
-            ended, written, stopped_at = [], [0] * len(samples), None
+                     Stop(ended(2)), Stop(lambda taken: False)):
+            heard, written, stopped_at = [], [0] * len(samples), None
             for step in range(1, max(s.tokens for s in samples) + 1):
                 for i, sample in enumerate(samples):
                     if sample.tokens >= step:
                         written[i] += 1
                 for sample in samples:
                     if sample.tokens == step and stopped_at is None:
-                        ended.append(sample)
-                        if len(ended) < len(samples) and stop.rule(ended):
+                        heard.append(sample)
+                        if len(heard) < len(samples) and stop.rule(heard):
                             stopped_at = step
                 if stopped_at is not None:
                     break
             tokens, answer, steps = replay_together(samples, stop)
             assert steps == (stopped_at or max(s.tokens for s in samples))
             assert tokens == sum(written)
-            answers, scores = [s.answer for s in ended], [s.score for s in ended]
+            answers, scores = [s.answer for s in heard], [s.score for s in heard]
             assert answer == (majority_vote(answers) if stopped_at is not None and stop.settled
                               else weighted_vote(answers, scores))
 
@@ -68,6 +69,7 @@ def test_the_rules_read_the_taken_samples_as_their_definitions_say():
     assert agree(2)(taken) and not agree(3)(taken)
     assert settled(0.6, 3)(taken) and not settled(0.7, 3)(taken) and not settled(0.6, 4)(taken)  # "1" holds 2 of 3
     assert top_score(0.95)(taken) and not top_score(0.96)(taken), "a sample with no answer does not count"
+    assert ended(4)(taken) and not ended(5)(taken), "ended counts the samples taken, answered or not"
     # the vote's leader by score is "2" (0.95 against 0.5): one sample
     assert not lead(0.0, 2, 0.0)(taken) and lead(0.9, 1, 0.6)(taken) and not lead(0.9, 1, 0.7)(taken)
     assert all(isinstance(stop, Stop) for stop in RULES.values())
@@ -108,3 +110,19 @@ def test_result_lines_of_another_program_or_without_their_result_are_refused_by_
         searches_from([good, beam])
     with pytest.raises(ValueError, match="line 1: expected a result line"):
         searches_from([{"seed": 0}])
+
+
+def test_replayed_as_self_consistency_every_search_answers_by_the_plain_majority():
+    rng = random.Random(3)
+    searches = [Search(0, f"p{i}", rng.choice(["1", "2"]), tuple(samples_of(rng, rng.randint(1, 9))))
+                for i in range(200)]
+    plain = as_self_consistency(searches)
+    assert [[s.tokens for s in search.samples] for search in plain] == [[s.tokens for s in search.samples]
+                                                                        for search in searches]
+    for search in plain:
+        answers = [s.answer for s in search.samples]
+        assert full_search_correct(search) == (majority_vote(answers) == search.gold)
+        assert replay(search.samples, 3, Stop(ended(3)))[1] == majority_vote(answers[:3] if len(answers) > 3
+                                                                             else answers)
+    weighed = sum(full_search_correct(s) != full_search_correct(p) for s, p in zip(searches, plain))
+    assert weighed > 0, "the scores changed some searches' answers, so the replay did drop them"
