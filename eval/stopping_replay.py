@@ -45,8 +45,8 @@ such a rule could do:
 weighted vote) becomes the plain majority of the samples' answers.
 
 A rule's setting is chosen on one half of the problems (the even positions of the sorted problem ids) and reported
-on the other, as issue 26 asks: of the settled rules, the setting of the fewest tokens whose median interval over the
-replays on the choosing half stays above -FLOOR_PT points.
+on the other, so no setting is judged on the problems it was chosen on: of the settled rules, the setting of the
+fewest tokens whose median interval over the replays on the choosing half stays above -FLOOR_PT points.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from sgl_tts.search.grading import grade, normalize_answer
 from sgl_tts.search.selection import group_answers, majority_vote, weighted_vote
 from sgl_tts.search.stopping import SettledAnswerRule
 
-FLOOR_PT = 5.0  # the interval's lower end a chosen setting keeps above -FLOOR_PT points (issue 26's target)
+FLOOR_PT = 5.0  # the interval's lower end a chosen setting keeps above -FLOOR_PT points (held out: not worse, shown)
 TOGETHER = 0  # `every` of a search that sends all its samples at once
 
 

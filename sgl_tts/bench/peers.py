@@ -1,5 +1,5 @@
 """`sgl-tts bench peers`: its-hub and optillm, called as their users call them, against sgl-tts's programs, on the
-same SGLang generator (and the same PRM runtime) that a sgl-tts Session starts (issue 25).
+same SGLang generator (and the same PRM runtime) that a sgl-tts Session starts.
 
 Every system gets the run config's search settings: n, temperature, the token limits (whole solutions
 `max_tokens`; step search `max_steps` steps of at most `max_step_tokens`), the step delimiter and aggregation,
