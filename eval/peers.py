@@ -30,13 +30,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from eval.budget import Outcome, accuracy, compare_paired
 from eval.results import ResultStore, provenance
 from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_settings, measure_problem, systems_named
+from sgl_tts.config import ConfigError, load_dataclass
 from sgl_tts.measure.frontier import cost_to_reach, pareto_front, reach_ratio_interval
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
 from sgl_tts.paths import write_atomic
+from sgl_tts.search.stopping import Stopping
 
 RESULTS = "peers.jsonl"
 BOOTSTRAP_RESAMPLES = 2000
@@ -84,11 +88,6 @@ def run_config(options: PeersOptions) -> Any:
 def stopping_option(text: str) -> Any:
     """`--stopping`: the stopping rules beneath sgl-tts's programs (the peers have none of their own), a YAML
     mapping of `search.stopping`'s keys; a bad one is a ConfigError naming the key."""
-    import yaml
-
-    from sgl_tts.config import ConfigError, load_dataclass
-    from sgl_tts.search.stopping import Stopping
-
     try:
         mapping = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -77,6 +77,12 @@ class SearchConfig:
         if not 0 <= self.granularity_margin <= 1:
             raise ValueError(f"granularity_margin must be in [0, 1], got {self.granularity_margin}")
 
+    @property
+    def may_stop_early(self) -> bool:
+        """Whether a budget or a stopping rule that stops this program may end its search before the program
+        does (then its result need not hold every path the program would have made)."""
+        return self.budget.active or self.stopping.beneath(self.program).rule != "none"
+
 
 def settings_of(config: SearchConfig, settings_class: type, program: str) -> Any:
     """The program's own settings in `config` (its `Settings` defaults when none are given)."""

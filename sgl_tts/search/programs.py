@@ -119,8 +119,7 @@ def _run_in_search(run: Callable[..., Any], name: str, problem: object, config: 
     from sgl_tts.search.api import stopped_result
     from sgl_tts.search.context import SearchStopped
 
-    stops_early = config.budget.active or config.stopping.beneath(config.program).rule != "none"
-    if context is None and not stops_early:
+    if context is None and not config.may_stop_early:
         return run(problem, config, runtimes, **arguments)
     if context is None:
         context = runtimes.new_search(config, problem.id)
