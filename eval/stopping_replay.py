@@ -5,21 +5,29 @@ A best-of-N search's samples are independent draws, so a search that sent them i
 time, and stopped once a rule held would have generated the samples it sent and answered by the search's selection
 over them (the weighted vote of the CPU default, whose runs these are):
 
-    taken_k = the first k * every samples of the order                        k = 1, 2, ...
-    stop at the first k where rule(taken_k) holds, or once all are taken
-    tokens  = the sum of taken_k's tokens
+    taken_k = the first k * every samples of the order, less those cut        k = 1, 2, ...
+    stop at the first k where rule(taken_k) holds, or once all are sent
+    tokens  = the sum of taken_k's tokens, and the first steps of those cut
     answer  = weighted_vote(taken_k's answers, their scores)    (the selection), or where a settled rule
               stopped it, majority_vote(taken_k's answers)        (the settled vote, as `search.stopping` answers)
 
 A run would also spend what the samples in flight had generated when the rule held, so the tokens are a lower
-bound. Sent all at once (`every` TOGETHER, as a search without `stopping.stage` sends them), the samples decode in
-one batch, a token each a step, so they end in the order of their lengths, and a stop aborts the others where they
+bound. With `prune` τ > 0 (`search.stopping.prune`) a sample whose first step the verifier scored below τ is cut
+where that step ends: it spends the step's tokens and is neither heard by the rule nor voted (a sample that ended
+within its first step is never cut; a run also keeps the last of a search's samples once the others were cut,
+which the replay does not: they differ only where every first step scored below τ). The verifier is causal, so the
+score its first step got in the recorded search is the score it gets when scored alone; the step's tokens are the
+sample's, shared by its steps' characters (the records keep no tokens per step).
+
+Sent all at once (`every` TOGETHER, as a search without `stopping.stage` sends them), the samples decode in one
+batch, a token each a step, so they end in the order of their lengths, and a stop aborts the others where they
 stand:
 
-    ending  = the samples by length (ties in the order drawn)
+    ending  = the samples not cut, by length (ties in the order drawn)
     stop at the first k where rule(ending[:k]) holds, or once all have ended
     steps   = len(ending[k-1])               the decode steps until the answer (its latency, one search at a time)
-    tokens  = sum over the samples of min(len(sample), steps)        (the aborted ones' partial text included)
+    tokens  = sum over the samples of min(len(sample), steps)        (the aborted ones' partial text included; a
+                                                                      cut one's length is its first step's)
     answer  = as above, over ending[:k]
 
 Each replay draws one order per search (seeded by the replay, the run's seed and the problem), as one run would, so
@@ -35,6 +43,8 @@ such a rule could do:
     agree m                       the leading answer was given by >= m samples (settled with `agree: m`,
                                   consensus 0.1, min_answers 1, as eval/configs/stopping-agree-cpu.yaml runs it;
                                   with `consensus 0.5` it also holds half the answers)
+    prune tau                     nothing stops the search; samples whose first step scored below tau are cut
+    agree m, prune tau            agree m, over the samples prune tau does not cut
     ended m                       m samples have been taken (sent together: the m shortest have ended), whatever
                                   they answered: what answering from the first samples alone would spend
     top score tau                 some answered sample scores >= tau
@@ -65,6 +75,7 @@ from sgl_tts.search.stopping import SettledAnswerRule
 
 FLOOR_PT = 5.0  # the interval's lower end a chosen setting keeps above -FLOOR_PT points (held out: not worse, shown)
 TOGETHER = 0  # `every` of a search that sends all its samples at once
+PRUNES = (0.99, 0.995, 0.997)  # `stopping.prune` settings replayed (the probe verifier's first steps: median 0.992)
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,16 @@ class Sample:
     answer: str | None
     score: float
     tokens: int
+    first_step_score: float | None = None  # the verifier's score of its first step; None: it ended within it
+    first_step_tokens: int = 0
+
+    def cut(self, prune: float) -> bool:
+        """Whether `stopping.prune` cuts this sample where its first step ends."""
+        return self.first_step_score is not None and self.first_step_score < prune
+
+    def spent(self, prune: float) -> int:
+        """The tokens it generates: its first step's where it is cut, else all."""
+        return self.first_step_tokens if self.cut(prune) else self.tokens
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,7 @@ class Stop:
 
     rule: Rule
     settled: bool = False
+    prune: float = 0.0  # samples whose first step scored below this are cut there (`search.stopping.prune`)
 
 
 def searches_from(lines: Iterable[dict[str, Any]], where: str = "results") -> list[Search]:
@@ -107,9 +129,20 @@ def searches_from(lines: Iterable[dict[str, Any]], where: str = "results") -> li
         if result.get("program") != "best_of_n":
             raise ValueError(f"{where} line {number}: program {result.get('program')!r}, expected 'best_of_n' "
                              f"(only independent samples can be replayed in another order)")
-        samples = tuple(Sample(c["answer"], float(c["score"]), int(c["tokens"])) for c in result["candidates"])
+        samples = tuple(sample_of(c) for c in result["candidates"])
         searches.append(Search(int(line["seed"]), str(line["problem_id"]), str(line["metrics"]["gold"]), samples))
     return searches
+
+
+def sample_of(candidate: dict[str, Any]) -> Sample:
+    """A recorded candidate as a sample: its answer, score and tokens, and, when it went past its first step, that
+    step's score and its share of the tokens (by characters)."""
+    steps, scores, tokens = candidate.get("steps") or [], candidate.get("step_scores") or [], int(candidate["tokens"])
+    if len(steps) < 2 or len(scores) != len(steps):
+        return Sample(candidate["answer"], float(candidate["score"]), tokens)
+    characters = sum(len(step) for step in steps)
+    return Sample(candidate["answer"], float(candidate["score"]), tokens, float(scores[0]),
+                  round(tokens * len(steps[0]) / characters) if characters else 0)
 
 
 def as_self_consistency(searches: Sequence[Search]) -> list[Search]:
@@ -163,6 +196,10 @@ RULES: dict[str, Stop] = {
     **{f"top score {tau}": Stop(top_score(tau)) for tau in (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)},
     **{f"lead {tau}, min {minimum}, share {share}": Stop(lead(tau, minimum, share))
        for tau in (0.0, 0.9, 0.99) for minimum in (2, 3) for share in (0.0, 0.5, 0.7)},
+    # `stopping.prune` alone (nothing stops the search) and beneath the agreement rules: settings a run can use
+    **{f"prune {tau}": Stop(ended(10**9), settled=True, prune=tau) for tau in PRUNES},
+    **{f"agree {minimum}, prune {tau}": Stop(agree(minimum), settled=True, prune=tau)
+       for minimum in (2, 3) for tau in PRUNES},
 }
 
 
@@ -170,17 +207,24 @@ def replay(samples: Sequence[Sample], every: int, stop: Stop) -> tuple[int, str 
     """(tokens, answer) of a search that sent `samples` in their order `every` at a time and stopped on `stop`."""
     if every < 1:
         raise ValueError(f"every: expected >= 1, got {every}")
-    taken = next((samples[:count] for count in range(every, len(samples), every) if stop.rule(samples[:count])),
-                 samples)
-    return sum(s.tokens for s in taken), answer_of(taken, stop, stopped=len(taken) < len(samples))
+    sent = next((count for count in range(every, len(samples), every)
+                 if stop.rule(heard(samples[:count], stop.prune))), len(samples))
+    taken = heard(samples[:sent], stop.prune)
+    return sum(s.spent(stop.prune) for s in samples[:sent]), answer_of(taken, stop, stopped=sent < len(samples))
+
+
+def heard(samples: Sequence[Sample], prune: float) -> list[Sample]:
+    """The samples `prune` does not cut."""
+    return [s for s in samples if not s.cut(prune)]
 
 
 def replay_together(samples: Sequence[Sample], stop: Stop) -> tuple[int, str | None, int]:
     """(tokens, answer, steps) of a search that sent `samples` all at once and stopped on `stop` as they ended."""
-    ending = sorted(samples, key=lambda s: s.tokens)  # stable: samples of one length end in the order drawn
-    count = next((k for k in range(1, len(ending)) if stop.rule(ending[:k])), len(ending))
-    steps = ending[count - 1].tokens if ending else 0
-    return sum(min(s.tokens, steps) for s in samples), answer_of(ending[:count], stop, count < len(ending)), steps
+    ending = sorted(heard(samples, stop.prune), key=lambda s: s.tokens)  # stable: ties end in the order drawn
+    count = next((k for k in range(1, len(ending)) if stop.rule(ending[:k])), None)
+    steps = ending[count - 1].tokens if count is not None else max((s.spent(stop.prune) for s in samples), default=0)
+    spent = sum(min(s.spent(stop.prune), steps) for s in samples)
+    return spent, answer_of(ending[:count] if count is not None else ending, stop, count is not None), steps
 
 
 def answer_of(taken: Sequence[Sample], stop: Stop, stopped: bool) -> str | None:

@@ -95,7 +95,7 @@ class ScriptedBackend(SearchBackend, BaseBackend):
         return variant if not seed else f"{seed}:{variant}"
 
     def generate(self, s, sampling_params):
-        return self.sent(s, lambda: self._generate(s, sampling_params))
+        return self.generate_sent(s, sampling_params, self._generate)
 
     def _generate(self, s, sampling_params):
         began = time.perf_counter()

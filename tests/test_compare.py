@@ -159,6 +159,7 @@ def test_a_best_of_n_that_may_stop_early_draws_its_one_sample_anew():
     assert keeps_every_sample(dataclasses.replace(search, stopping=dataclasses.replace(agree, programs=("dvts",))))
     assert not keeps_every_sample(dataclasses.replace(search, stopping=Stopping(), budget=Budget(max_tokens=100)))
     assert not keeps_every_sample(dataclasses.replace(search, program="beam_search", stopping=Stopping()))
+    assert not keeps_every_sample(dataclasses.replace(search, stopping=Stopping(prune=0.99))), "cut samples: no draw"
     session = ScriptedSession(RunConfig(search=search))
     problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(4)]
     searched = list(session.solve_all(problems))

@@ -443,3 +443,50 @@ def test_a_path_casts_its_answer_when_its_last_probes_agree(history, answer, ste
     child = ReasoningPath(state=None, parent=0)
     assert steady_answers([child], [answer], [parent], steady) == [cast]
     assert child.extra["probe_answers"] == [*history, answer]
+
+
+@pytest.mark.parametrize("program", ["best_of_n", "self_consistency"])
+def test_prune_cuts_exactly_the_samples_whose_first_step_scores_below_it(program):
+    """Brute force: the same search without the cut, its samples split by their first step's score. A kept sample
+    is the one the search without the cut wrote (its rest sent as a second request from its first step); a cut one
+    is its first step alone, unanswered, one request."""
+    base = SearchConfig(program=program, n=12, max_tokens=10_000)
+    tau = 0.5
+    plain, plain_backend, _, _ = run(program, base)
+    pruned, backend, scorer, context = run(program, dataclasses.replace(base, stopping=Stopping(prune=tau)))
+    judge = ScriptedScorer()  # the same scores, by hand
+    first = {c.text: c.steps[0] for c in plain.candidates}
+    kept = sorted(text for text, step in first.items() if judge.step_score(PROMPT, [step]) >= tau)
+    cut = sorted(step for text, step in first.items() if judge.step_score(PROMPT, [step]) < tau)
+    assert kept and cut, "the test needs samples on both sides of the cut"
+    assert sorted(c.text for c in pruned.candidates) == sorted(kept + cut)
+    assert all(c.answer is None and len(c.steps) == 1 for c in pruned.candidates if c.text in cut)
+    assert len(backend.requests) == len(plain_backend.requests) + len(kept)
+    assert context.extra["pruned_samples"] == len(cut)
+    assert pruned.generated_tokens == sum(c.tokens for c in pruned.candidates) < plain.generated_tokens
+    answered = [c for c in pruned.candidates if c.answer is not None]
+    method = "majority" if program == "self_consistency" else base.selection
+    assert pruned.answer == select(method, [c.answer for c in answered], [c.score for c in answered])
+
+
+def test_prune_needs_the_searchs_scorer_and_leaves_step_requests_whole():
+    config = SearchConfig(program="best_of_n", n=6, max_tokens=10_000, stopping=Stopping(prune=0.99))
+    backend = ScriptedBackend()
+    runtimes = Runtimes(generator=backend, scorer=None, prompt=lambda q: PROMPT)
+    result = load_program("best_of_n")(PROBLEM, config, runtimes, runtimes.new_search(config, PROBLEM.id))
+    assert len(backend.requests) == 6 and all(len(c.steps) > 1 for c in result.candidates), "no scorer: no cut"
+    beam = dataclasses.replace(config, program="beam_search", beam_width=2, max_steps=4)
+    plain, plain_backend, _, _ = run("beam_search", dataclasses.replace(beam, stopping=Stopping()))
+    pruned, pruned_backend, _, context = run("beam_search", beam)
+    assert len(pruned_backend.requests) == len(plain_backend.requests) and pruned.answer == plain.answer
+    assert "pruned_samples" not in context.extra
+    with pytest.raises(ValueError, match="stopping.prune"):
+        Stopping(prune=1.0)
+
+
+def test_prune_keeps_the_last_sample_when_it_would_cut_them_all():
+    config = SearchConfig(program="best_of_n", n=6, max_tokens=10_000, stopping=Stopping(prune=0.9999))
+    result, backend, _, context = run("best_of_n", config)
+    whole = [c for c in result.candidates if len(c.steps) > 1]
+    assert context.extra["pruned_samples"] == 5 and len(whole) == 1, "every first step scores below 0.9999"
+    assert len(backend.requests) == 6 + 1

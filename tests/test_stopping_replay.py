@@ -8,56 +8,71 @@ import pytest
 
 from eval.stopping_replay import (RULES, TOGETHER, Sample, Search, Stop, agree, as_self_consistency, ended,
                                   full_search_correct, halves, lead, replay, replay_all, replay_together, report,
-                                  searches_from, settled, top_score)
+                                  sample_of, searches_from, settled, top_score)
 from sgl_tts.search.selection import majority_vote, weighted_vote
 
 
-def samples_of(rng, count):
-    return [Sample(rng.choice(["1", "2", "3", None]), round(rng.random(), 2), rng.randint(1, 50))
-            for _ in range(count)]
+def samples_of(rng, count, first_steps=False):
+    """Random samples; with `first_steps`, most went past a first step with a score and a share of the tokens."""
+    samples = []
+    for _ in range(count):
+        answer, score, tokens = rng.choice(["1", "2", "3", None]), round(rng.random(), 2), rng.randint(1, 50)
+        first = (round(rng.random(), 2), rng.randint(1, tokens)) if first_steps and rng.random() < 0.8 else (None, 0)
+        samples.append(Sample(answer, score, tokens, *first))
+    return samples
 
 
-@pytest.mark.parametrize("every", [1, 3, 4])
-def test_a_replay_stops_at_the_first_stage_its_rule_holds_and_answers_as_the_search_would(every):
+@pytest.mark.parametrize("every,prune", [(1, 0.0), (3, 0.0), (4, 0.0), (3, 0.5)])
+def test_a_replay_stops_at_the_first_stage_its_rule_holds_and_answers_as_the_search_would(every, prune):
     rng = random.Random(every)
     for _ in range(200):
-        samples = samples_of(rng, rng.randint(1, 12))
-        for stop in (Stop(agree(2), settled=True), Stop(top_score(0.8)), Stop(lambda taken: False)):
+        samples = samples_of(rng, rng.randint(1, 12), first_steps=prune > 0)
+        cut = [s.first_step_score is not None and s.first_step_score < prune for s in samples]
+        for rule, settles in ((agree(2), True), (top_score(0.8), False), (lambda taken: False, False)):
+            stop = Stop(rule, settled=settles, prune=prune)
             tokens, answer = replay(samples, every, stop)
-            counts = list(range(every, len(samples), every))  # the stages asked before all are taken
-            first = next((k for k in counts if stop.rule(samples[:k])), None)
-            taken = samples[:first] if first is not None else samples
-            assert tokens == sum(s.tokens for s in taken)
+            counts = list(range(every, len(samples), every))  # the stages asked before all are sent
+
+            def heard_of(count):
+                return [s for s, c in zip(samples[:count], cut) if not c]
+            first = next((k for k in counts if rule(heard_of(k))), None)
+            sent = first if first is not None else len(samples)
+            assert tokens == sum(s.first_step_tokens if c else s.tokens for s, c in zip(samples[:sent], cut))
+            taken = heard_of(sent)
             answers, scores = [s.answer for s in taken], [s.score for s in taken]
-            expected = majority_vote(answers) if first is not None and stop.settled else weighted_vote(answers,
-                                                                                                       scores)
+            expected = majority_vote(answers) if first is not None and settles else weighted_vote(answers, scores)
             assert answer == expected
     with pytest.raises(ValueError, match="every"):
         replay(samples_of(rng, 3), 0, Stop(agree(2)))
 
 
-def test_samples_sent_together_end_step_by_step_and_a_stop_aborts_the_others_where_they_stand():
+@pytest.mark.parametrize("prune", [0.0, 0.5])
+def test_samples_sent_together_end_step_by_step_and_a_stop_aborts_the_others_where_they_stand(prune):
     """replay_together against a step-by-step simulation of one batch: every live sample writes a token a step;
-    those whose length is reached end, in the order drawn, the rule asked after each."""
+    those whose length is reached end, in the order drawn, the rule asked after each; with `prune`, a sample whose
+    first step scored below it stops where that step ends, unheard."""
     rng = random.Random(7)
     for _ in range(300):
-        samples = samples_of(rng, rng.randint(1, 10))
-        for stop in (Stop(agree(2), settled=True), Stop(settled(0.5, 1, 2), settled=True), Stop(top_score(0.8)),
-                     Stop(ended(2)), Stop(lambda taken: False)):
+        samples = samples_of(rng, rng.randint(1, 10), first_steps=prune > 0)
+        cut = [s.first_step_score is not None and s.first_step_score < prune for s in samples]
+        length = [s.first_step_tokens if c else s.tokens for s, c in zip(samples, cut)]
+        for rule, settles in ((agree(2), True), (settled(0.5, 1, 2), True), (top_score(0.8), False),
+                              (ended(2), False), (lambda taken: False, False)):
+            stop = Stop(rule, settled=settles, prune=prune)
             heard, written, stopped_at = [], [0] * len(samples), None
-            for step in range(1, max(s.tokens for s in samples) + 1):
-                for i, sample in enumerate(samples):
-                    if sample.tokens >= step:
+            for step in range(1, max(length) + 1):
+                for i in range(len(samples)):
+                    if length[i] >= step:
                         written[i] += 1
-                for sample in samples:
-                    if sample.tokens == step and stopped_at is None:
+                for i, sample in enumerate(samples):
+                    if length[i] == step and not cut[i] and stopped_at is None:
                         heard.append(sample)
-                        if len(heard) < len(samples) and stop.rule(heard):
+                        if len(heard) < cut.count(False) and stop.rule(heard):
                             stopped_at = step
                 if stopped_at is not None:
                     break
             tokens, answer, steps = replay_together(samples, stop)
-            assert steps == (stopped_at or max(s.tokens for s in samples))
+            assert steps == (stopped_at or max(length))
             assert tokens == sum(written)
             answers, scores = [s.answer for s in heard], [s.score for s in heard]
             assert answer == (majority_vote(answers) if stopped_at is not None and stop.settled
@@ -126,3 +141,13 @@ def test_replayed_as_self_consistency_every_search_answers_by_the_plain_majority
                                                                              else answers)
     weighed = sum(full_search_correct(s) != full_search_correct(p) for s, p in zip(searches, plain))
     assert weighed > 0, "the scores changed some searches' answers, so the replay did drop them"
+
+
+def test_a_recorded_candidate_past_its_first_step_carries_that_steps_score_and_its_share_of_the_tokens():
+    two_steps = {"answer": "2", "score": 0.5, "tokens": 12, "steps": ["abcde", "fghijklmnopqrst"],
+                 "step_scores": [0.9, 0.5]}
+    assert sample_of(two_steps) == Sample("2", 0.5, 12, 0.9, 3)  # 5 of 20 characters
+    one_step = {**two_steps, "steps": ["abcde"], "step_scores": [0.9]}
+    assert sample_of(one_step) == Sample("2", 0.5, 12) and not sample_of(one_step).cut(0.99), "ended in it: kept"
+    assert sample_of(two_steps).cut(0.95) and sample_of(two_steps).spent(0.95) == 3
+    assert not sample_of(two_steps).cut(0.9) and sample_of(two_steps).spent(0.9) == 12

@@ -138,8 +138,10 @@ def format_comparison(arms: Sequence[ArmSummary], reference: ArmSummary | None =
 
 def keeps_every_sample(search: Any) -> bool:
     """Whether each search's result holds all its n independent samples (a whole-sample program that no stopping
-    rule or budget ends early), so that one of them, drawn uniformly, is one sample at the search's temperature."""
-    return search.program in WHOLE_SAMPLE_PROGRAMS and not search.may_stop_early
+    rule or budget ends early and whose samples the verifier does not cut, `stopping.prune`), so that one of them,
+    drawn uniformly, is one sample at the search's temperature."""
+    return (search.program in WHOLE_SAMPLE_PROGRAMS and not search.may_stop_early
+            and not search.stopping.beneath(search.program).prune)
 
 
 def one_sample_search(search: Any) -> Any:

@@ -7,6 +7,12 @@ under priority scheduling standard requests carry the standard priority; and the
 search the program state belongs to (`sglang_internals.search_of`: its ledger, observers, cancellation,
 seed), which is created where the search starts (`sgl_tts.search.context.SearchContext`).
 
+Where the search cuts samples by their first step (`stopping.prune`, sgl_tts/search/stopping.py), a request that
+writes a whole solution goes in two parts (`generate_sent`): to the first step delimiter, then, unless the
+verifier scored that step below the cut, the rest, its prompt the first part's (in the radix cache) and its token
+limit what is left. The program gets one answer, the two texts and counts joined; a cut sample's answer is its
+first step, finished "abort" as a sample the search aborted is.
+
 `TTSEndpoint` is SGLang's `RuntimeEndpoint` plus this: it adds the request fields in `_add_images`, the hook
 `RuntimeEndpoint` calls on every request body, instead of copying `generate`.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -24,6 +30,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sgl_tts.frontend.ledger import Request
 from sgl_tts.frontend.lineage import node_of
 from sgl_tts.frontend.sglang_internals import search_of
+from sgl_tts.search.stopping import PRUNED
 from policies.base import encode_rid
 
 SYSTEM_PROMPT = (
@@ -90,11 +97,60 @@ class SearchBackend:
             if search is not None:
                 search.request_done(rid)
 
+    def generate_sent(self, s: Any, sampling_params: Any,
+                      generate_once: Callable[[Any, Any], tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+        """`generate_once(s, params)`, one request answered (text, meta), `sent` for state `s`: in two parts where
+        the state's search cuts samples by their first step and this request writes a whole solution (it has no
+        stop string of its own), else as one."""
+        search = search_of(s)
+        delimiter = getattr(getattr(search, "config", None), "step_delimiter", None)
+        stops = sampling_params.stop
+        own_stops = bool(stops) if isinstance(stops, str) else any(stops or ())
+        if search is None or not search.prunes or not delimiter or own_stops:
+            return self.sent(s, lambda: generate_once(s, sampling_params))
+        return self.sent(s, lambda: self._generate_in_two(s, sampling_params, generate_once, search, delimiter))
+
+    @staticmethod
+    def _generate_in_two(s: Any, params: Any, generate_once: Callable[[Any, Any], tuple[str, dict[str, Any]]],
+                         search: Any, delimiter: str) -> tuple[str, dict[str, Any]]:
+        prompt = s.text_
+        first, meta = generate_once(s, replace(params, stop=[delimiter]))
+        reason = meta.get("finish_reason")
+        if not (isinstance(reason, dict) and reason.get("type") == "stop" and reason.get("matched") == delimiter):
+            return first, meta  # it ended within its first step (or was aborted there)
+        first += delimiter  # SGLang trims the stop string; the step keeps it, as `split_steps` does
+        if not search.first_step_kept(prompt, first):
+            return first, {**meta, "finish_reason": {"type": "abort", "message": PRUNED}}
+        if search.stopped is not None:  # stopped while the step was scored: the rest would be refused
+            return first, {**meta, "finish_reason": {"type": "abort", "message": search.stopped}}
+        left = params.max_new_tokens - int(meta.get("completion_tokens", 0))
+        if left <= 0:
+            return first, {**meta, "finish_reason": {"type": "length", "length": params.max_new_tokens}}
+        s.text_ = prompt + first  # the rest's prompt; only this state's worker thread reads it while it runs
+        try:
+            rest, rest_meta = generate_once(s, replace(params, max_new_tokens=left))
+        finally:
+            s.text_ = prompt
+        return first + rest, joined_meta(meta, rest_meta)
+
     def answered(self, s: Any, text: str, began: float, meta: dict[str, Any], output: str = "") -> None:
         """A standard request for `text`, sent at perf_counter() `began`, answered with `output` and `meta`."""
         search = search_of(s)
         if search is not None:
             search.request_answered(Request.answered(self.name, text, output, meta, began), meta)
+
+
+def joined_meta(first: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """The meta of one answer sent in two parts: the rest's, with the counts summed and the per-token lists of
+    both parts (`output_*`) joined."""
+    joined = dict(rest)
+    for key in ("completion_tokens", "prompt_tokens", "cached_tokens"):
+        if key in first or key in rest:
+            joined[key] = int(first.get(key) or 0) + int(rest.get(key) or 0)
+    for key, value in first.items():
+        if key.startswith("output_") and isinstance(value, list) and isinstance(rest.get(key), list):
+            joined[key] = value + rest[key]
+    return joined
 
 
 class TTSEndpoint(SearchBackend, RuntimeEndpoint):
@@ -115,15 +171,15 @@ class TTSEndpoint(SearchBackend, RuntimeEndpoint):
             data["sampling_params"]["sampling_seed"] = seed
 
     def generate(self, s: Any, sampling_params: Any):
-        def send_and_record() -> tuple[str, dict[str, Any]]:
+        def send_and_record(s: Any, params: Any) -> tuple[str, dict[str, Any]]:
             # recorded while the rid is still in flight: a search that waits until none is (a cancel) has heard
             # every answer, the aborted ones included
             began = time.perf_counter()
-            text, meta = self._call(super(TTSEndpoint, self).generate, s, sampling_params)
+            text, meta = self._call(super(TTSEndpoint, self).generate, s, params)
             self.answered(s, s.text_, began, meta, text)
             return text, meta
 
-        return self.sent(s, send_and_record)
+        return self.generate_sent(s, sampling_params, send_and_record)
 
     def commit_lazy_operations(self, s: Any) -> None:
         self.sent(s, lambda: self._call(super(TTSEndpoint, self).commit_lazy_operations, s))

@@ -112,7 +112,7 @@ class Runtimes:
         that stops early has its requests in flight aborted here (`abort_in_flight`, on a thread of its own)."""
         return SearchContext(config, label=str(label), seed=config.seed, extension_factory=self.extension_factory,
                              observers=observers, scoring_observers=scoring_observers, clock=clock,
-                             on_stop=self._abort_stopped)
+                             on_stop=self._abort_stopped, scorer=self.scorer)
 
     def _abort_stopped(self, context: SearchContext) -> None:
         threading.Thread(target=abort_in_flight, args=(context, self, context.in_flight()),

@@ -67,7 +67,7 @@ class SearchContext:
     program counts by hand with `record` (RSD, whose step cache replays work without requests). `outer`: the search
     this one runs inside (see the module docstring), None for a search of its own. `clock` is the search's time
     (seconds, monotonic; a fake one in tests); `on_stop(context)` is called once when the search stops early, to
-    abort its requests in flight.
+    abort its requests in flight; `scorer`, the runtimes' verifier, scores first steps for `stopping.prune`.
     """
 
     def __init__(self, config: Any, label: str = "search", seed: int | None = None,
@@ -75,8 +75,9 @@ class SearchContext:
                  observers: Sequence[Callable[[Request], None]] = (),
                  scoring_observers: Sequence[Callable[[list[list[float]]], None]] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 on_stop: Callable[["SearchContext"], None] | None = None):
+                 on_stop: Callable[["SearchContext"], None] | None = None, scorer: StepScorer | None = None):
         self.config = config
+        self.scorer = scorer  # the search's verifier, for `stopping.prune`'s first-step scores
         self.label = label
         self.seed = seed
         self.outer: SearchContext | None = running_search()
@@ -319,6 +320,30 @@ class SearchContext:
                 if self.stop_reason is None:
                     self.settled_vote = list(answers)
             self.stop(SETTLED)
+
+    @property
+    def prunes(self) -> bool:
+        """Whether whole-solution requests are sent in two parts, cut after the first step when the verifier scores
+        it below `stopping.prune` (`SearchBackend`)."""
+        return self.stopping.prune > 0 and self.scorer is not None
+
+    def first_step_kept(self, prompt: str, first_step: str) -> bool:
+        """`stopping.prune`: the verifier scores a sample's first step (a verifier call of the search, timed and
+        counted as `score`'s are); whether the sample goes on: its score is at least `prune`, or the search's other
+        n - 1 samples were cut (one is always kept, so the search has an answer)."""
+        began = self.clock()
+        with scoring_run(self.last_run):
+            scored = self.scorer.score_counted(prompt, [[first_step]])
+        seconds = self.clock() - began
+        with self._changed:
+            self.verifier_time_s += seconds
+            self.verifier_calls += 1
+            cut = self.extra.get("pruned_samples", 0)
+            kept = scored.scores[0][0] >= self.stopping.prune or cut >= getattr(self.config, "n", 1) - 1
+            if not kept:
+                self.extra["pruned_samples"] = cut + 1
+        self.ledger.window("verify", "scorer", began, began + seconds, **scored.counts.as_dict())
+        return kept
 
     def unsure(self, path: Any) -> bool:
         """Whether the confidence rule stops the live `path` (its confidence so far is below the threshold)."""

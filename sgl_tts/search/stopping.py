@@ -1,7 +1,8 @@
 """Stopping rules beneath every step program (`search.stopping`), and the small rule classes they are made of.
 
 Three rules, each a small class of numbers and answers (no paths, no requests), used by the search context and
-`expand` (sgl_tts/search/context.py, sgl_tts/search/api.py) for any program, and by programs/deepconf.py:
+`expand` (sgl_tts/search/context.py, sgl_tts/search/api.py) for any program, and by programs/deepconf.py, and a
+cut of samples by their first step's score (`prune`, below):
 
 - `TraceConfidenceRule` (DeepConf, Fu et al. 2025): a path's confidence is its lowest sliding-window group
   confidence (`lowest_group_confidence`); the first `warmup` paths that end set the threshold s, the
@@ -30,6 +31,16 @@ ancestors' and its own) gave it (Dynasor's certaindex asks for consecutive agree
 before any work is done, often a number from the question, is not cast. The probes are requests of the search:
 their tokens count.
 
+`prune` τ > 0 cuts a sample where its first step ends when the verifier scores that step below τ (the early
+rejection of speculative-rejection best-of-N, with the PRM's step score for the partial reward): a request of the
+search that writes a whole solution (one with no stop string of its own: best-of-N's and self-consistency's
+samples; a step request already ends at the step) is sent in two parts beneath the program, to the first step
+delimiter and, when its score is at least τ, the rest (`SearchBackend`, sgl_tts/frontend/backend.py). A cut sample
+ends unfinished, as an aborted one does: no answer, not heard by the rules, not voted; the last of a search's n
+samples is never cut once the other n - 1 were, so the search has an answer. The verifier is causal, so
+the final scoring finds the first step's score in its memo. It needs the search's scorer; without one nothing is
+cut.
+
 `programs` limits the rules to the programs named (a config tuned for best-of-N, run with another program, stops
 nothing). `stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight,
 the others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the
@@ -46,6 +57,7 @@ from sgl_tts.config import FieldValueError
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled, weighted_vote
 
 RULES = ("none", "confidence", "settled", "both", "ranked")
+PRUNED = "first step scored below stopping.prune"  # the abort message of a cut sample
 READS = ("ended", "live")
 LOW_CONFIDENCE = "low_confidence"  # a path's finish reason
 SETTLED, RANKED = "settled", "ranked"  # a search's finish reasons (stopped by a rule)
@@ -69,6 +81,7 @@ class Stopping:
     answer_cue: str = "The answer is $\\boxed{"  # live: what a probe appends to a path (the system prompt's ending)
     probe_tokens: int = 8  # live: greedy tokens a probe may write before its closing brace
     steady: int = 1  # live: a path's answer is cast once its last `steady` probes (its ancestors' too) agree
+    prune: float = 0.0  # a whole-solution sample whose first step the verifier scores below this is cut (0: none)
     programs: tuple[str, ...] = ()  # the programs these rules stop (by `search.program`; empty: every program)
 
     def __post_init__(self) -> None:
@@ -83,6 +96,8 @@ class Stopping:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
         if self.stage < 0:
             raise FieldValueError("stage", f"stopping.stage must be 0 (no limit) or more, got {self.stage}")
+        if not 0 <= self.prune < 1:
+            raise FieldValueError("prune", f"stopping.prune must be in [0, 1) (0: cut nothing), got {self.prune}")
         for name in ("keep_fraction", "consensus"):
             if not 0 < getattr(self, name) <= 1:
                 raise FieldValueError(name, f"stopping.{name} must be in (0, 1], got {getattr(self, name)}")
