@@ -78,8 +78,8 @@ def run_config(options: PeersOptions) -> Any:
                  if getattr(options, name) is not None}
     if options.step_delimiter is not None:
         overrides["step_delimiter"] = options.step_delimiter.encode().decode("unicode_escape")
-    if options.stopping is not None:
-        overrides["stopping"] = stopping_option(options.stopping)
+    # none beneath sgl-tts's programs unless asked for, whatever the run config sets: the peers run as they ship
+    overrides["stopping"] = stopping_option(options.stopping) if options.stopping is not None else Stopping()
     search = dataclasses.replace(config.search, seed=options.seed, **overrides)
     check_settings(search)
     return dataclasses.replace(config, search=search, concurrency=1, log_dir=options.log_dir)

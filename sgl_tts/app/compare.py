@@ -227,7 +227,9 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
     if whole_samples:
-        log("\nself-consistency: the majority of the search's own samples (the same tokens, no verifier)")
+        cut = config.search.stopping.beneath(config.search.program).prune
+        log("\nself-consistency: the majority of the search's own samples (the same tokens, "
+            + ("those the verifier's cut of first steps kept, unweighted)" if cut else "no verifier)"))
         consistency = [(problem, majority_of_samples(result)) for problem, result in searched]
         counted = sum(len(r.candidates) for _, r in consistency)
         arms.append(ArmSummary.of("self-consistency, the same samples", consistency, f"{counted} samples"))

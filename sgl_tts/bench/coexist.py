@@ -41,6 +41,7 @@ from sgl_tts.measure.periodic import (PERIOD_S, RECOVERED_AFTER, WORK_FRACTION, 
                                       recovery_s)
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
+from sgl_tts.search.stopping import Stopping
 
 SEVERAL = 4
 SWITCH_ARMS = ("P", "M", "S")
@@ -420,7 +421,8 @@ def base_config(options: BenchOptions) -> Any:
         max_steps=options.max_steps, max_step_tokens=options.max_step_tokens,
         max_tokens=options.max_steps * options.max_step_tokens, settings=None if options.program !=
         config.search.program else config.search.settings,
-        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
+        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed,
+        stopping=Stopping())  # the arms vary one mechanism at a time: budgets, not stopping rules
     return dataclasses.replace(config, search=search, log_dir=options.log_dir)
 
 

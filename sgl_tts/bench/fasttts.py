@@ -36,6 +36,7 @@ from sgl_tts.measure.summary import median_min_max, median_range
 from sgl_tts.paths import write_atomic
 from sgl_tts.measure.tables import Column, console_table
 from sgl_tts.runtime.http_client import http_text, request
+from sgl_tts.search.stopping import Stopping
 
 ARMS = ("baseline", "P", "P+M", "P+M+S", "all")
 PROGRAMS = ("beam_search", "dvts", "dynamic_branching", "varying_granularity")
@@ -300,7 +301,8 @@ def _base_config(options: BenchOptions) -> Any:
     search = dataclasses.replace(
         config.search, beam_width=options.beam_width, max_steps=options.max_steps,
         max_step_tokens=options.max_step_tokens, max_tokens=options.max_steps * options.max_step_tokens,
-        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed)
+        step_delimiter=options.step_delimiter.encode().decode("unicode_escape"), seed=options.seed,
+        stopping=Stopping())  # FastTTS by its own protocol: every search runs to its end
     return dataclasses.replace(config, search=search, concurrency=options.concurrency, log_dir=options.log_dir)
 
 
