@@ -30,8 +30,9 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sgl_tts.frontend.ledger import Request
 from sgl_tts.frontend.lineage import node_of
 from sgl_tts.frontend.sglang_internals import search_of
-from sgl_tts.search.stopping import PRUNED
 from policies.base import encode_rid
+
+PRUNED = "first step scored below stopping.prune"  # the abort message of a sample cut after its first step
 
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. Put a blank line between steps. "

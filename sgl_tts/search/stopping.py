@@ -57,7 +57,6 @@ from sgl_tts.config import FieldValueError
 from sgl_tts.search.confidence import OnlineThreshold, lowest_group_confidence, vote_settled, weighted_vote
 
 RULES = ("none", "confidence", "settled", "both", "ranked")
-PRUNED = "first step scored below stopping.prune"  # the abort message of a cut sample
 READS = ("ended", "live")
 LOW_CONFIDENCE = "low_confidence"  # a path's finish reason
 SETTLED, RANKED = "settled", "ranked"  # a search's finish reasons (stopped by a rule)
