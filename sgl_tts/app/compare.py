@@ -140,8 +140,7 @@ def keeps_every_sample(search: Any) -> bool:
     """Whether each search's result holds all its n independent samples (a whole-sample program that no stopping
     rule or budget ends early and whose samples the verifier does not cut, `stopping.prune`), so that one of them,
     drawn uniformly, is one sample at the search's temperature."""
-    return (search.program in WHOLE_SAMPLE_PROGRAMS and not search.may_stop_early
-            and not search.stopping.beneath(search.program).prune)
+    return search.program in WHOLE_SAMPLE_PROGRAMS and not search.may_stop_early and not search.cuts_samples
 
 
 def one_sample_search(search: Any) -> Any:
@@ -227,9 +226,9 @@ def run_comparison(session: Any, problems: Sequence[Any], searched: Sequence[tup
     arms.append(ArmSummary.of(f"{search_label}, FastTTS {config.fasttts.label}", searched))
 
     if whole_samples:
-        cut = config.search.stopping.beneath(config.search.program).prune
         log("\nself-consistency: the majority of the search's own samples (the same tokens, "
-            + ("those the verifier's cut of first steps kept, unweighted)" if cut else "no verifier)"))
+            + ("those the verifier's cut of first steps kept, unweighted)" if config.search.cuts_samples
+               else "no verifier)"))
         consistency = [(problem, majority_of_samples(result)) for problem, result in searched]
         counted = sum(len(r.candidates) for _, r in consistency)
         arms.append(ArmSummary.of("self-consistency, the same samples", consistency, f"{counted} samples"))

@@ -124,9 +124,10 @@ class SearchBackend:
             return first, {**meta, "finish_reason": {"type": "abort", "message": PRUNED}}
         if search.stopped is not None:  # stopped while the step was scored: the rest would be refused
             return first, {**meta, "finish_reason": {"type": "abort", "message": search.stopped}}
-        left = params.max_new_tokens - int(meta.get("completion_tokens", 0))
-        if left <= 0:
-            return first, {**meta, "finish_reason": {"type": "length", "length": params.max_new_tokens}}
+        limit = params.max_new_tokens
+        left = None if limit is None else limit - int(meta.get("completion_tokens", 0))
+        if left is not None and left <= 0:
+            return first, {**meta, "finish_reason": {"type": "length", "length": limit}}
         s.text_ = prompt + first  # the rest's prompt; only this state's worker thread reads it while it runs
         try:
             rest, rest_meta = generate_once(s, replace(params, max_new_tokens=left))

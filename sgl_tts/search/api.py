@@ -83,6 +83,11 @@ class SearchConfig:
         does (then its result need not hold every path the program would have made)."""
         return self.budget.active or self.stopping.beneath(self.program).rule != "none"
 
+    @property
+    def cuts_samples(self) -> bool:
+        """Whether the verifier may cut this program's samples after their first step (`stopping.prune`)."""
+        return self.stopping.beneath(self.program).prune > 0
+
 
 def settings_of(config: SearchConfig, settings_class: type, program: str) -> Any:
     """The program's own settings in `config` (its `Settings` defaults when none are given)."""
