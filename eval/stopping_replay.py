@@ -156,6 +156,11 @@ def ended(minimum: int) -> Rule:
     return lambda taken: len(taken) >= minimum
 
 
+def never(taken: Sequence[Sample]) -> bool:
+    """Nothing stops the search (what a cut alone is replayed with)."""
+    return False
+
+
 def top_score(tau: float) -> Rule:
     return lambda taken: any(s.answer is not None and s.score >= tau for s in taken)
 
@@ -197,7 +202,7 @@ RULES: dict[str, Stop] = {
     **{f"lead {tau}, min {minimum}, share {share}": Stop(lead(tau, minimum, share))
        for tau in (0.0, 0.9, 0.99) for minimum in (2, 3) for share in (0.0, 0.5, 0.7)},
     # `stopping.prune` alone (nothing stops the search) and beneath the agreement rules: settings a run can use
-    **{f"prune {tau}": Stop(ended(10**9), settled=True, prune=tau) for tau in PRUNES},
+    **{f"prune {tau}": Stop(never, settled=True, prune=tau) for tau in PRUNES},
     **{f"agree {minimum}, prune {tau}": Stop(agree(minimum), settled=True, prune=tau)
        for minimum in (2, 3) for tau in PRUNES},
 }

@@ -331,18 +331,12 @@ class SearchContext:
         """`stopping.prune`: the verifier scores a sample's first step (a verifier call of the search, timed and
         counted as `score`'s are); whether the sample goes on: its score is at least `prune`, or the search's other
         n - 1 samples were cut (one is always kept, so the search has an answer)."""
-        began = self.clock()
-        with scoring_run(self.last_run):
-            scored = self.scorer.score_counted(prompt, [[first_step]])
-        seconds = self.clock() - began
+        scored, _ = self._verifier_call(self.scorer, prompt, [[first_step]])
         with self._changed:
-            self.verifier_time_s += seconds
-            self.verifier_calls += 1
             cut = self.extra.get("pruned_samples", 0)
             kept = scored.scores[0][0] >= self.stopping.prune or cut >= getattr(self.config, "n", 1) - 1
             if not kept:
                 self.extra["pruned_samples"] = cut + 1
-        self.ledger.window("verify", "scorer", began, began + seconds, **scored.counts.as_dict())
         return kept
 
     def unsure(self, path: Any) -> bool:
@@ -413,15 +407,9 @@ class SearchContext:
             ranked = sorted(paths, key=lambda p: rank_key(p, aggregation))
             paths = ranked[:Narrowing.verifier_batch(len(paths))]
             self.extra["narrowed_verifier_calls"] = self.extra.get("narrowed_verifier_calls", 0) + 1
-        began = self.clock()
-        with scoring_run(self.last_run):  # a scorer on the generator's runtime reads the run's cached tokens
-            scored = scorer.score_counted(prompt, [p.steps for p in paths])
-        seconds = self.clock() - began
-        self.verifier_time_s += seconds
-        self.verifier_calls += 1
+        scored, seconds = self._verifier_call(scorer, prompt, [p.steps for p in paths])
         # per verification: paths, steps scored, the verifier's input and radix-cached tokens, its time
         self.extra.setdefault("verifier_iterations", []).append({**scored.counts.as_dict(), "time_s": seconds})
-        self.ledger.window("verify", "scorer", began, began + seconds, **scored.counts.as_dict())
         for path, path_scores in zip(paths, scored.scores):
             assert len(path_scores) == len(path.steps), "scorer must return one score per step"
             path.step_scores = list(path_scores)
@@ -430,6 +418,19 @@ class SearchContext:
         if self.ranked_rule is not None:
             self._rank_ends(paths)
         return scored
+
+    def _verifier_call(self, scorer: StepScorer, prompt: str, paths: list[list[str]]) -> tuple[ScoredPaths, float]:
+        """One scorer call of the search, timed and counted (verifier time and calls, a `verify` window); the
+        scores and its seconds."""
+        began = self.clock()
+        with scoring_run(self.last_run):  # a scorer on the generator's runtime reads the run's cached tokens
+            scored = scorer.score_counted(prompt, paths)
+        seconds = self.clock() - began
+        with self._changed:  # the first steps of several samples are scored from their own threads
+            self.verifier_time_s += seconds
+            self.verifier_calls += 1
+        self.ledger.window("verify", "scorer", began, began + seconds, **scored.counts.as_dict())
+        return scored, seconds
 
     def _rank_ends(self, scored: Sequence[Any]) -> None:
         """The ranked rule, after a scoring round: stop (ranked) once the best-ranked scored paths have ended. The
