@@ -490,3 +490,6 @@ def test_prune_keeps_the_last_sample_when_it_would_cut_them_all():
     whole = [c for c in result.candidates if len(c.steps) > 1]
     assert context.extra["pruned_samples"] == 5 and len(whole) == 1, "every first step scores below 0.9999"
     assert len(backend.requests) == 6 + 1
+    alone, backend, _, context = run("best_of_n", dataclasses.replace(config, n=1))
+    assert len(backend.requests) == 1 and context.verifier_calls == 1, "one sample: sent whole, scored once"
+    assert len(alone.candidates[0].steps) > 1 and "pruned_samples" not in context.extra
