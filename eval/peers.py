@@ -36,13 +36,15 @@ from eval.budget import Outcome, accuracy, compare_paired
 from eval.results import ResultStore, provenance
 from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_settings, measure_problem, systems_named
 from sgl_tts.config import ConfigError, load_dataclass
-from sgl_tts.measure.frontier import cost_to_reach, pareto_front, reach_ratio_interval
+from sgl_tts.measure.frontier import cost_to_reach, most_accurate_within, pareto_front, reach_ratio_interval
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
 from sgl_tts.paths import write_atomic
 from sgl_tts.search.stopping import Stopping
 
 RESULTS = "peers.jsonl"
+LEAD_TIME_RATIO = 0.5  # a lead: the peer's accuracy in at most half its time,
+LEAD_P = 0.05  # or a higher accuracy in no more time, McNemar's exact p below this
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 WARM_UP_QUESTION = "What is 2 + 3?"
@@ -255,6 +257,59 @@ def peers_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(cells, key=lambda c: order.get(c["algorithm"], len(order)))
 
 
+def against_every_point(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every peer cell against sgl-tts's cells of any algorithm (a user weighs a library by the best it offers at a
+    budget, not one algorithm at a time): whether the cell is on its library's Pareto frontier (mean wall time and
+    accuracy over all of the library's algorithms and n), sgl-tts's least mean time to its accuracy over its time
+    (with the bootstrap interval over the problems) and the sgl-tts cell that takes it, and sgl-tts's most
+    accurate cell within its mean time (`measure.frontier.most_accurate_within`), paired with it. `lead`: the
+    ratio at most LEAD_TIME_RATIO (`lead_by` "time"), or that cell the more accurate at McNemar p < LEAD_P
+    ("accuracy")."""
+    ours = [c for c in cells if c["family"] == "sgl-tts"]
+    points = [(c["mean_wall_s"], c["accuracy"]) for c in ours]
+    rows = []
+    for family in dict.fromkeys(c["family"] for c in cells if c["family"] != "sgl-tts"):
+        theirs = [c for c in cells if c["family"] == family]
+        front = set(pareto_front([(c["mean_wall_s"], c["accuracy"]) for c in theirs]))
+        for index, cell in enumerate(theirs):
+            reach = cost_to_reach(points, cell["accuracy"]) if ours else None
+            reaching = next((c for c in ours if c["mean_wall_s"] == reach and c["accuracy"] >= cell["accuracy"]), None)
+            ratio = reach / cell["mean_wall_s"] if reach is not None and cell["mean_wall_s"] else None
+            within_index = most_accurate_within(points, cell["mean_wall_s"])
+            within = ours[within_index] if within_index is not None else None
+            versus = compare_paired(cell["outcomes"], within["outcomes"]) if within is not None else None
+            ahead = bool(versus and versus["pairs"] and versus["difference"] > 0 and versus["p_value"] < LEAD_P)
+            faster = ratio is not None and ratio <= LEAD_TIME_RATIO
+            rows.append({"cell": cell, "on_front": index in front, "ratio": ratio, "reaching": reaching,
+                         "interval": time_ratio_interval(ours, cell), "within": within, "versus": versus,
+                         "lead": faster or ahead,
+                         "lead_by": [branch for branch, held in (("time", faster), ("accuracy", ahead)) if held]})
+    return rows
+
+
+def cell_name(cell: dict[str, Any] | None) -> str:
+    return "-" if cell is None else f"{cell['system']} n={cell['n']} ({cell['solved']}/{cell['trials']})"
+
+
+EVERY_POINT_COLUMNS = ("peer system", "n", "accuracy", "mean s", "on its frontier",
+                       "sgl-tts's least time to ≥ acc [95% CI]", "taken by", "sgl-tts's most accurate in ≤ time",
+                       "Δ pt [95% CI], p", "lead")
+
+
+def every_point_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    table = []
+    for row in rows:
+        cell, versus = row["cell"], row["versus"]
+        compared = "-" if not versus or not versus["pairs"] else (
+            f"{100 * versus['difference']:+.1f} [{100 * versus['interval'][0]:+.1f}, "
+            f"{100 * versus['interval'][1]:+.1f}], p={versus['p_value']:.3g}")
+        table.append([cell["system"], str(cell["n"]), f"{cell['solved']}/{cell['trials']}",
+                      f"{cell['mean_wall_s']:.2f}", "yes" if row["on_front"] else "-",
+                      ratio_text(row["ratio"], row["interval"]), cell_name(row["reaching"]),
+                      cell_name(row["within"]), compared, ", ".join(row["lead_by"]) or "-"])
+    return table
+
+
 COLUMNS = ("algorithm", "system", "n", "accuracy [95% CI]", "vs sgl-tts: Δ pt [95% CI], p",
            "wall s/problem median [min-max]", "mean s", "x sgl-tts at ≥ acc [95% CI]", "processed tok",
            "gen generated", "gen prompt/cached", "PRM prompt/cached", "requests gen server/client",
@@ -305,7 +360,21 @@ def report_markdown(cells: list[dict[str, Any]], header: dict[str, Any] | None) 
         "acc': the least mean time of a sgl-tts system of the algorithm reaching at least this accuracy, over this "
         "one's, with its 95% bootstrap interval over the problems all of them ran ('unreached': beyond that end "
         "no sgl-tts system reached this accuracy). " + machine, "", markdown_table(COLUMNS, table_rows(cells)), "",
-        "Request patterns:", *patterns(cells)])
+        "Request patterns:", *patterns(cells), *every_point_section(cells)])
+
+
+def every_point_section(cells: list[dict[str, Any]]) -> list[str]:
+    """The markdown of `against_every_point`, [] where the lines hold no peer cell or no sgl-tts cell."""
+    rows = against_every_point(cells)
+    if not rows or not any(c["family"] == "sgl-tts" for c in cells):
+        return []
+    return ["", "Every peer point against every sgl-tts point, whatever the algorithm: on its frontier, the peer's "
+            "point is on its library's Pareto frontier (mean time, accuracy) over all its algorithms and n; "
+            "sgl-tts's least mean time to at least its accuracy, over its time, with the 95% bootstrap interval, "
+            "and the sgl-tts point that takes it; the most accurate sgl-tts point in at most its mean time, paired "
+            f"with it (Δ for sgl-tts, McNemar's exact p). Lead: the peer's accuracy in at most {LEAD_TIME_RATIO}x "
+            f"its time ('time'), or a higher accuracy in no more time at p < {LEAD_P} ('accuracy').", "",
+            markdown_table(EVERY_POINT_COLUMNS, every_point_rows(rows))]
 
 
 def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -360,6 +429,46 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
+def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Accuracy vs mean wall time per problem, one colour per library: every point of it (system and n), its
+    Pareto frontier over all its algorithms drawn as a line. [] without matplotlib or with one library only."""
+    families = list(dict.fromkeys(c["family"] for c in cells))
+    if len(families) < 2:
+        return []
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return []
+    fig = Figure(figsize=(8.0, 5.2))
+    ax = fig.add_subplot(1, 1, 1)
+    for index, family in enumerate(sorted(families, key=lambda f: f != "sgl-tts")):
+        theirs = [c for c in cells if c["family"] == family]
+        x = [max(c["mean_wall_s"], 1e-9) for c in theirs]
+        y = [100 * c["accuracy"] for c in theirs]
+        ax.plot(x, y, linestyle="none", marker="o", markerfacecolor="none", color=f"C{index}", alpha=0.6)
+        for c, xi, yi in zip(theirs, x, y):
+            short = c["system"].removeprefix(family).strip()
+            ax.annotate(f"{short} {c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 2), fontsize=5,
+                        color=f"C{index}")
+        front = pareto_front(list(zip(x, y)))
+        ax.step([x[i] for i in front], [y[i] for i in front], where="post", marker="o", color=f"C{index}",
+                linestyle="-" if family == "sgl-tts" else "--", label=f"{family}: frontier over its algorithms")
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel("wall time per problem, s (client, mean)", fontsize=8)
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path = out / "peers-libraries-time.png"
+    fig.savefig(path, dpi=120)
+    return [path]
+
+
 def report(records: list[dict[str, Any]], out: Path, headers: list[dict[str, Any]] | None = None) -> int:
     cells = peers_summary(records)
     if not cells:
@@ -373,6 +482,6 @@ def report(records: list[dict[str, Any]], out: Path, headers: list[dict[str, Any
                                                                 if failed else ""))
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "peers.md", report_markdown(cells, headers[-1] if headers else None) + "\n")
-    plots = plot_frontiers(cells, out)
+    plots = plot_frontiers(cells, out) + plot_libraries(cells, out)
     print(f"wrote {out / 'peers.md'}" + "".join(f", {p}" for p in plots))
     return 0

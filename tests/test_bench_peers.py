@@ -21,7 +21,7 @@ from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
                                  measure_problem, optillm_solver, sgl_tts_solver, step_generation, vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
-from sgl_tts.measure.frontier import cost_to_reach, pareto_front, reach_ratio_interval
+from sgl_tts.measure.frontier import cost_to_reach, most_accurate_within, pareto_front, reach_ratio_interval
 from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
 from sgl_tts.problems import Problem
 from sgl_tts.scoring.base import aggregate
@@ -362,6 +362,16 @@ def test_the_pareto_frontier_and_the_cost_to_reach_match_brute_force():
         for wanted in (0.0, 0.15, 0.3, 0.5):
             reach = [c for c, a in points if a >= wanted]
             assert cost_to_reach(points, wanted) == (min(reach) if reach else None)
+        for budget in (0.5, 2.0, 3.5, 5.0):
+            within = [i for i, (c, _) in enumerate(points) if c <= budget]
+            best = max((points[i][1] for i in within), default=None)
+            chosen = most_accurate_within(points, budget)
+            if best is None:
+                assert chosen is None
+            else:  # the most accurate within the budget; of equals the cheapest, then the first
+                ties = [i for i in within if points[i][1] == best]
+                cheapest = min(points[i][0] for i in ties)
+                assert chosen == min(i for i in ties if points[i][0] == cheapest), (points, budget)
 
 
 def brute_ratio_interval(ours, peer, resamples, seed):
@@ -452,6 +462,77 @@ def test_the_summary_pairs_with_the_reference_and_states_the_time_ratio(tmp_path
     assert Counter(order) == Counter(itertools.product([1, 2], "abcd", systems)) and len(order) == 24
     firsts = [system for index, (_, _, system) in enumerate(order) if index % 3 == 0]
     assert Counter(firsts[:3]) == Counter(systems), "each system runs first once in every three problems"
+
+
+def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algorithm(tmp_path):
+    from eval.peers import LEAD_P, LEAD_TIME_RATIO, against_every_point, peers_summary, plot_libraries, \
+        report_markdown
+
+    rng = random.Random(11)
+    peers = ["its-hub SelfConsistency", "its-hub BestOfN + PRM", "its-hub BeamSearch + PRM",
+             "optillm majority_voting + boxed"]
+    ours = ["sgl-tts best_of_n weighted", "sgl-tts self_consistency"]
+    for _ in range(12):
+        problems = 10
+        records = []
+        for system in rng.sample(peers, rng.randint(1, 4)) + rng.sample(ours, rng.randint(1, 2)):
+            for n in rng.sample([1, 2, 4, 8], rng.randint(1, 3)):
+                rate, wall = rng.random(), rng.choice([1.0, 2.0, 3.0, 4.0])
+                records += [record(system, n, f"q{i}", rng.random() < rate, wall) for i in range(problems)]
+        cells = peers_summary(records)
+        mine = [c for c in cells if c["family"] == "sgl-tts"]
+        rows = against_every_point(cells)
+        assert sorted(id(r["cell"]) for r in rows) == sorted(id(c) for c in cells if c["family"] != "sgl-tts")
+        for row in rows:
+            cell = row["cell"]
+            library = [c for c in cells if c["family"] == cell["family"]]
+            dominated = any((o["mean_wall_s"] <= cell["mean_wall_s"] and o["accuracy"] >= cell["accuracy"]
+                             and (o["mean_wall_s"], o["accuracy"]) != (cell["mean_wall_s"], cell["accuracy"]))
+                            for o in library)
+            earlier_equal = any((o["mean_wall_s"], o["accuracy"]) == (cell["mean_wall_s"], cell["accuracy"])
+                                for o in library[:library.index(cell)])
+            assert row["on_front"] == (not dominated and not earlier_equal)
+            reaching = [c for c in mine if c["accuracy"] >= cell["accuracy"]]
+            if reaching:
+                fastest = min(c["mean_wall_s"] for c in reaching)
+                assert row["ratio"] == pytest.approx(fastest / cell["mean_wall_s"])
+                assert row["reaching"]["mean_wall_s"] == fastest and row["reaching"]["accuracy"] >= cell["accuracy"]
+            else:
+                assert row["ratio"] is None and row["reaching"] is None
+            within = [c for c in mine if c["mean_wall_s"] <= cell["mean_wall_s"]]
+            if within:
+                assert row["within"]["accuracy"] == max(c["accuracy"] for c in within)
+                theirs = [r["correct"] for r in sorted(records, key=lambda r: r["problem_id"])
+                          if r["system"] == cell["system"] and r["n"] == cell["n"]]
+                best = [r["correct"] for r in sorted(records, key=lambda r: r["problem_id"])
+                        if r["system"] == row["within"]["system"] and r["n"] == row["within"]["n"]]
+                assert row["versus"]["p_value"] == mcnemar_exact(theirs, best).p_value
+                ahead = row["within"]["accuracy"] > cell["accuracy"] and row["versus"]["p_value"] < LEAD_P
+            else:
+                assert row["within"] is None and row["versus"] is None
+                ahead = False
+            faster = row["ratio"] is not None and row["ratio"] <= LEAD_TIME_RATIO
+            assert row["lead"] == (ahead or faster)
+            assert row["lead_by"] == [b for b, held in (("time", faster), ("accuracy", ahead)) if held]
+    # a lead by time: sgl-tts reaches the peer's accuracy in 0.4x its time; by accuracy: 9 against 1 of 10 at once
+    records = [record("its-hub BestOfN + PRM", 4, f"q{i}", i < 5, 5.0) for i in range(10)]
+    records += [record("sgl-tts best_of_n weighted", 2, f"q{i}", i < 5, 2.0) for i in range(10)]
+    records += [record("its-hub SelfConsistency", 1, f"q{i}", i == 0, 2.5) for i in range(10)]
+    records += [record("sgl-tts self_consistency", 1, f"q{i}", i < 9, 2.5) for i in range(10)]
+    cells = peers_summary(records)
+    rows = {r["cell"]["system"]: r for r in against_every_point(cells)}
+    best_of_n, consistency = rows["its-hub BestOfN + PRM"], rows["its-hub SelfConsistency"]
+    assert best_of_n["ratio"] == pytest.approx(0.4) and best_of_n["lead"], "0.4x the time at the same 5/10"
+    assert best_of_n["reaching"]["system"] == "sgl-tts best_of_n weighted", "the cheapest point reaching 5/10"
+    assert consistency["ratio"] == pytest.approx(0.8) and consistency["lead"], "9 against 1 of 10 in 2.5 s"
+    assert consistency["versus"]["p_value"] < LEAD_P and consistency["within"]["system"] == "sgl-tts self_consistency"
+    text = report_markdown(cells, None)
+    assert "Every peer point against every sgl-tts point" in text
+    assert "| its-hub BestOfN + PRM | 4 | 5/10 | 5.00 | yes | 0.40x [" in text
+    assert best_of_n["lead_by"] == ["time"] and consistency["lead_by"] == ["accuracy"]
+    assert re.search(r"\| its-hub SelfConsistency \| 1 \| 1/10 .*\| accuracy \|$", text, re.M)
+    assert [p.name for p in plot_libraries(cells, tmp_path)] == ["peers-libraries-time.png"]
+    assert plot_libraries([c for c in cells if c["family"] == "sgl-tts"], tmp_path) == [], "one library: no plot"
 
 
 def test_the_cli_reaches_the_peers_bench(tmp_path, capsys):

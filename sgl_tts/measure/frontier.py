@@ -6,6 +6,8 @@ higher accuracy than every cheaper one. Of equal points the first is kept.
 
 `cost_to_reach(points, a)` = min { cost_q : accuracy_q ≥ a }, the cheapest point at least as accurate as a (None:
 none is), so `cost_to_reach(ours, accuracy_peer) / cost_peer` is our cost at the peer's accuracy, as a ratio.
+`most_accurate_within(points, c)` = argmax { accuracy_q : cost_q ≤ c } (the cheapest of equals; None: no point
+costs that little): the other way to read a lead, a higher accuracy at no more cost.
 
 `reach_ratio_interval` puts a range on that ratio. Every point is a mean over the same problems (cost c_ij and
 correct y_ij of point j on problem i), so a resample draws the problems with replacement, once for all points:
@@ -37,6 +39,12 @@ def cost_to_reach(points: Sequence[Point], accuracy: float) -> float | None:
     """The lowest cost among `points` with an accuracy of at least `accuracy`; None when none reaches it."""
     costs = [cost for cost, reached in points if reached >= accuracy]
     return min(costs) if costs else None
+
+
+def most_accurate_within(points: Sequence[Point], cost: float) -> int | None:
+    """The index of the most accurate point costing at most `cost`, the cheapest of equals; None when none does."""
+    within = [i for i, (spent, _) in enumerate(points) if spent <= cost]
+    return min(within, key=lambda i: (-points[i][1], points[i][0], i)) if within else None
 
 
 def reach_ratio_interval(ours: Sequence[tuple[Sequence[float], Sequence[bool]]],
