@@ -377,13 +377,26 @@ def every_point_section(cells: list[dict[str, Any]]) -> list[str]:
             markdown_table(EVERY_POINT_COLUMNS, every_point_rows(rows))]
 
 
+def accuracy_axes(ax: Any, cost_label: str) -> None:
+    """Accuracy (%) against a cost on a log axis whose ticks read as plain numbers, with a grid."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel(cost_label, fontsize=8)
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(alpha=0.3, which="both")
+
+
 def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy vs mean wall time and vs processed tokens per problem: one panel per algorithm, one curve per
     system over n (log x), Wilson error bars, the points on the system's Pareto frontier filled. [] without
     matplotlib."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return []
     written = []
@@ -408,19 +421,12 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
                 ax.plot([x[i] for i in front], [y[i] for i in front], linestyle="none", marker="o", color=f"C{index}")
                 for c, xi, yi in zip(series, x, y):
                     ax.annotate(f"n={c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=6)
-            ax.set_xscale("log")
+            accuracy_axes(ax, label)
             low, high = min(c[key] for c in ours), max(c[key] for c in ours)
             if low > 0 and high / low < 2:  # a narrow range: widened to a factor 2, so the ticks stay few and plain
                 middle = (low * high) ** 0.5
                 ax.set_xlim(middle / 2 ** 0.5, middle * 2 ** 0.5)
-            plain = FuncFormatter(lambda value, _: f"{value:g}")
-            ax.xaxis.set_major_formatter(plain)
-            ax.xaxis.set_minor_formatter(plain)
-            ax.tick_params(axis="x", which="both", labelsize=7)
-            ax.set_xlabel(label, fontsize=8)
-            ax.set_ylabel("accuracy (%)")
             ax.set_title(algorithm, fontsize=9)
-            ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=6)
         fig.tight_layout()
         path = out / name
@@ -437,7 +443,6 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         return []
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return []
     fig = Figure(figsize=(8.0, 5.2))
@@ -454,15 +459,8 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         front = pareto_front(list(zip(x, y)))
         ax.step([x[i] for i in front], [y[i] for i in front], where="post", marker="o", color=f"C{index}",
                 linestyle="-" if family == "sgl-tts" else "--", label=f"{family}: frontier over its algorithms")
-    ax.set_xscale("log")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="x", which="both", labelsize=7)
-    ax.set_xlabel("wall time per problem, s (client, mean)", fontsize=8)
-    ax.set_ylabel("accuracy (%)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
+    accuracy_axes(ax, "wall time per problem, s (client, mean)")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = out / "peers-libraries-time.png"
     fig.savefig(path, dpi=120)
