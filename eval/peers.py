@@ -460,6 +460,7 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.step([x[i] for i in front], [y[i] for i in front], where="post", marker="o", color=f"C{index}",
                 linestyle="-" if family == "sgl-tts" else "--", label=f"{family}: frontier over its algorithms")
     accuracy_axes(ax, "wall time per problem, s (client, mean)")
+    ax.set_title("each library's Pareto frontier over all its algorithms and n", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = out / "peers-libraries-time.png"
