@@ -160,6 +160,8 @@ def test_a_best_of_n_that_may_stop_early_draws_its_one_sample_anew():
     assert not keeps_every_sample(dataclasses.replace(search, stopping=Stopping(), budget=Budget(max_tokens=100)))
     assert not keeps_every_sample(dataclasses.replace(search, program="beam_search", stopping=Stopping()))
     assert not keeps_every_sample(dataclasses.replace(search, stopping=Stopping(prune=0.99))), "cut samples: no draw"
+    alone = dataclasses.replace(search, n=1, stopping=Stopping(prune=0.99))
+    assert keeps_every_sample(alone) and not alone.cuts_samples, "a search of one sample is never cut"
     session = ScriptedSession(RunConfig(search=search))
     problems = [Problem(id=f"q{i}", question=f"what is {i} plus {i}?", gold=str(2 * i)) for i in range(4)]
     searched = list(session.solve_all(problems))

@@ -85,8 +85,9 @@ class SearchConfig:
 
     @property
     def cuts_samples(self) -> bool:
-        """Whether the verifier may cut this program's samples after their first step (`stopping.prune`)."""
-        return self.stopping.beneath(self.program).prune > 0
+        """Whether the verifier may cut this program's samples after their first step (`stopping.prune`); never
+        a search of one sample (`SearchContext.prunes`)."""
+        return self.stopping.beneath(self.program).prune > 0 and self.n > 1
 
 
 def settings_of(config: SearchConfig, settings_class: type, program: str) -> Any:
