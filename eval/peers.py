@@ -172,6 +172,16 @@ def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
+def pooled_rows(runs: list[list[dict[str, Any]]], ns: set[int]) -> list[dict[str, Any]]:
+    """The latest rows of several runs (e.g. one per seed) at the n in `ns`, each problem named by its run
+    ("r0/<id>", "r1/<id>", ...), so the report pairs the systems by (run, problem)."""
+    pooled = []
+    for index, records in enumerate(runs):
+        pooled += [{**row, "problem_id": f"r{index}/{row['problem_id']}"} for row in latest_rows(records)
+                   if row["n"] in ns]
+    return pooled
+
+
 def processed_tokens(row: dict[str, Any]) -> float:
     """What the runtimes computed for a row: generated tokens plus prompt tokens not served from the radix cache,
     of the generator and of the PRM."""

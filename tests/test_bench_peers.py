@@ -535,6 +535,23 @@ def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algori
     assert plot_libraries([c for c in cells if c["family"] == "sgl-tts"], tmp_path) == [], "one library: no plot"
 
 
+def test_runs_pooled_pair_the_systems_by_run_and_problem():
+    from eval.peers import peers_summary, pooled_rows
+
+    ours = [[True, False, True, True], [False, False, True, True]]
+    theirs = [[False, False, True, False], [True, False, False, False]]
+    runs = [[record("sgl-tts self_consistency", n, f"q{i}", c, 1.0) for n in (2, 8) for i, c in enumerate(mine)]
+            + [record("its-hub SelfConsistency", 2, f"q{i}", c, 2.0) for i, c in enumerate(peer)]
+            for mine, peer in zip(ours, theirs)]
+    runs[1].append(record("its-hub SelfConsistency", 2, "q0", False, 2.0) | {"failed": True})  # not counted
+    cells = {(c["system"], c["n"]): c for c in peers_summary(pooled_rows(runs, {2}))}
+    assert set(cells) == {("sgl-tts self_consistency", 2), ("its-hub SelfConsistency", 2)}, "n = 8 left out"
+    peer = cells[("its-hub SelfConsistency", 2)]
+    assert (peer["solved"], peer["trials"]) == (2, 8) and sorted(peer["per_problem"])[:2] == ["r0/q0", "r0/q1"]
+    assert peer["vs_reference"]["p_value"] == mcnemar_exact(ours[0] + ours[1], theirs[0] + theirs[1]).p_value
+    assert peer["vs_reference"]["pairs"] == 8
+
+
 def test_the_cli_reaches_the_peers_bench(tmp_path, capsys):
     from sgl_tts.cli import main
 

@@ -1,0 +1,32 @@
+"""Pools runs of `sgl-tts bench peers` (e.g. one per seed) by (run, problem) and prints the report's tables over
+the pooled lines: the systems at each n, and every peer point against every sgl-tts point (`eval/peers.py`).
+Pairs of one problem under two seeds are not independent, so the pooled p overstates the certainty.
+
+    .venv/bin/python scripts/pool_peers.py --ns 1,2,4 bench-peers-s0 bench-peers-s1
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eval.peers import (COLUMNS, EVERY_POINT_COLUMNS, RESULTS, against_every_point, every_point_rows, peers_summary,
+                        pooled_rows, table_rows)
+from eval.results import ResultStore
+from sgl_tts.measure.tables import markdown_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outs", nargs="+", type=Path, help="`--out` folders of bench peers runs")
+    parser.add_argument("--ns", required=True, help="comma-separated n that every run measured")
+    args = parser.parse_args()
+    ns = {int(n) for n in args.ns.split(",")}
+    cells = peers_summary(pooled_rows([ResultStore(out / RESULTS).records() for out in args.outs], ns))
+    print(markdown_table(COLUMNS, table_rows(cells)))
+    print()
+    print(markdown_table(EVERY_POINT_COLUMNS, every_point_rows(against_every_point(cells))))
+
+
+if __name__ == "__main__":
+    main()
