@@ -36,7 +36,8 @@ from eval.budget import Outcome, accuracy, compare_paired
 from eval.results import ResultStore, provenance
 from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_settings, measure_problem, systems_named
 from sgl_tts.config import ConfigError, load_dataclass
-from sgl_tts.measure.frontier import cost_to_reach, most_accurate_within, pareto_front, reach_ratio_interval
+from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
+                                      reach_ratio_interval)
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
 from sgl_tts.paths import write_atomic
@@ -282,9 +283,9 @@ def against_every_point(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         theirs = [c for c in cells if c["family"] == family]
         front = set(pareto_front([(c["mean_wall_s"], c["accuracy"]) for c in theirs]))
         for index, cell in enumerate(theirs):
-            reach = cost_to_reach(points, cell["accuracy"]) if ours else None
-            reaching = next((c for c in ours if c["mean_wall_s"] == reach and c["accuracy"] >= cell["accuracy"]), None)
-            ratio = reach / cell["mean_wall_s"] if reach is not None and cell["mean_wall_s"] else None
+            reaching_index = cheapest_reaching(points, cell["accuracy"])
+            reaching = ours[reaching_index] if reaching_index is not None else None
+            ratio = reaching["mean_wall_s"] / cell["mean_wall_s"] if reaching and cell["mean_wall_s"] else None
             within_index = most_accurate_within(points, cell["mean_wall_s"])
             within = ours[within_index] if within_index is not None else None
             versus = compare_paired(cell["outcomes"], within["outcomes"]) if within is not None else None

@@ -21,7 +21,8 @@ from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
                                  measure_problem, optillm_solver, sgl_tts_solver, step_generation, vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
-from sgl_tts.measure.frontier import cost_to_reach, most_accurate_within, pareto_front, reach_ratio_interval
+from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
+                                      reach_ratio_interval)
 from sgl_tts.measure.stats import mcnemar_exact, wilson_interval
 from sgl_tts.problems import Problem
 from sgl_tts.scoring.base import aggregate
@@ -362,6 +363,8 @@ def test_the_pareto_frontier_and_the_cost_to_reach_match_brute_force():
         for wanted in (0.0, 0.15, 0.3, 0.5):
             reach = [c for c, a in points if a >= wanted]
             assert cost_to_reach(points, wanted) == (min(reach) if reach else None)
+            first = min((i for i, (c, a) in enumerate(points) if a >= wanted and c == min(reach)), default=None)
+            assert cheapest_reaching(points, wanted) == first, (points, wanted)
         for budget in (0.5, 2.0, 3.5, 5.0):
             within = [i for i, (c, _) in enumerate(points) if c <= budget]
             best = max((points[i][1] for i in within), default=None)

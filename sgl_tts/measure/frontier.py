@@ -6,8 +6,9 @@ higher accuracy than every cheaper one. Of equal points the first is kept.
 
 `cost_to_reach(points, a)` = min { cost_q : accuracy_q ≥ a }, the cheapest point at least as accurate as a (None:
 none is), so `cost_to_reach(ours, accuracy_peer) / cost_peer` is our cost at the peer's accuracy, as a ratio.
-`most_accurate_within(points, c)` = argmax { accuracy_q : cost_q ≤ c } (the cheapest of equals; None: no point
-costs that little): the other way to read a lead, a higher accuracy at no more cost.
+`cheapest_reaching` gives that point's index. `most_accurate_within(points, c)` = argmax { accuracy_q : cost_q ≤ c }
+(the cheapest of equals; None: no point costs that little): the other way to read a lead, a higher accuracy at no
+more cost.
 
 `reach_ratio_interval` puts a range on that ratio. Every point is a mean over the same problems (cost c_ij and
 correct y_ij of point j on problem i), so a resample draws the problems with replacement, once for all points:
@@ -35,10 +36,17 @@ def pareto_front(points: Sequence[Point]) -> list[int]:
     return front
 
 
+def cheapest_reaching(points: Sequence[Point], accuracy: float) -> int | None:
+    """The index of the cheapest point with an accuracy of at least `accuracy` (the first of equals); None when
+    none reaches it."""
+    reaching = [i for i, (_, reached) in enumerate(points) if reached >= accuracy]
+    return min(reaching, key=lambda i: (points[i][0], i)) if reaching else None
+
+
 def cost_to_reach(points: Sequence[Point], accuracy: float) -> float | None:
     """The lowest cost among `points` with an accuracy of at least `accuracy`; None when none reaches it."""
-    costs = [cost for cost, reached in points if reached >= accuracy]
-    return min(costs) if costs else None
+    index = cheapest_reaching(points, accuracy)
+    return None if index is None else points[index][0]
 
 
 def most_accurate_within(points: Sequence[Point], cost: float) -> int | None:

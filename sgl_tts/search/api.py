@@ -86,7 +86,8 @@ class SearchConfig:
     @property
     def cuts_samples(self) -> bool:
         """Whether the verifier may cut this program's samples after their first step (`stopping.prune`); never
-        a search of one sample (`SearchContext.prunes`)."""
+        a search of one sample: it is never cut, so sending it in two parts would only add a request and a
+        verifier read."""
         return self.stopping.beneath(self.program).prune > 0 and self.n > 1
 
 

@@ -324,9 +324,9 @@ class SearchContext:
     @property
     def prunes(self) -> bool:
         """Whether whole-solution requests are sent in two parts, cut after the first step when the verifier scores
-        it below `stopping.prune` (`SearchBackend`). Not for a search of one sample: it is never cut, so the split
-        would only add a request and a verifier read."""
-        return self.stopping.prune > 0 and self.scorer is not None and getattr(self.config, "n", 1) > 1
+        it below `stopping.prune` (`SearchBackend`): where the config cuts samples (`SearchConfig.cuts_samples`)
+        and the search has a verifier."""
+        return self.scorer is not None and bool(getattr(self.config, "cuts_samples", False))
 
     def first_step_kept(self, prompt: str, first_step: str) -> bool:
         """`stopping.prune`: the verifier scores a sample's first step (a verifier call of the search, timed and
