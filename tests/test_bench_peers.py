@@ -19,7 +19,8 @@ import pytest
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
-                                 measure_problem, optillm_solver, sgl_tts_solver, step_generation, vote_key)
+                                 first_to_end, measure_problem, optillm_solver, sgl_tts_solver, step_generation,
+                                 vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
 from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
                                       reach_ratio_interval)
@@ -317,11 +318,12 @@ class ScriptedSession(Session):
         self.program = load_program(config.search.program)
         self.search_runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel()), scorer=ScriptedScorer(),
                                         prompt=lambda q: f"Q: {q}\n\n")
-        self.solved = []
+        self.solved, self.searches = [], []
 
     def solve(self, problem, search=None, context=None):
         result = super().solve(problem, search, context)
         self.solved.append(((search or self.config.search).program, result))
+        self.searches.append(search)
         return result
 
     def close(self):
@@ -343,6 +345,28 @@ def test_sgl_tts_systems_report_their_own_answer_and_ledger(fake):
     assert row["generator"]["requests"] == 0, "the fake generator's counters saw none of the scripted requests"
     answer = sgl_tts_solver("self_consistency")(runtimes, PROBLEM, SEARCH)
     assert session.solved[-1][0] == "self_consistency" and answer.answer == session.solved[-1][1].answer
+
+
+def test_first_to_end_is_the_runs_stopping_settled_by_the_first_answer(fake):
+    """short-1@n beneath best-of-N: the run's stopping (its first-step cut and stage kept) with the vote settled by
+    one answer, for this system only; the search answers with the first answer it heard."""
+    from sgl_tts.search.stopping import Stopping
+
+    run_stopping = Stopping(rule="both", consensus=0.9, min_answers=5, agree=3, prune=0.99, stage=2,
+                            programs=("dvts",))
+    assert first_to_end(run_stopping) == Stopping(rule="settled", consensus=0.9, min_answers=1, agree=1, prune=0.99,
+                                                  stage=2)
+    search = dataclasses.replace(SEARCH, stopping=Stopping(rule="settled", min_answers=3, agree=3))
+    session = ScriptedSession(RunConfig(search=search))
+    runtimes = PeerRuntimes(url=fake.url, model="m", prompt=session.search_runtimes.prompt, generator=fake,
+                            session=session)
+    row = measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n first to end"), PROBLEM, search,
+                          runtimes)
+    (program, result), = session.solved
+    assert program == "best_of_n" and session.searches[0].stopping == first_to_end(search.stopping)
+    assert result.finish_reason == "settled" and row["answer"] == result.answer
+    measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n weighted"), PROBLEM, search, runtimes)
+    assert session.searches[1].stopping == search.stopping, "the other sgl-tts systems keep the run's stopping"
 
 
 # ---- the report -------------------------------------------------------------------------------------------------

@@ -296,6 +296,22 @@ def test_best_of_n_sent_at_once_stops_when_two_samples_agree_and_aborts_the_rest
     ended_with_the_search(backend)
 
 
+def test_best_of_n_answered_by_the_first_sample_to_end_aborts_the_rest():
+    """short-1@n (`agree: 1`, `min_answers: 1`): the first sample to end with an answer is the search's answer,
+    whatever the others would say; no verifier is called and nothing is left in flight."""
+    config = SearchConfig(program="best_of_n", n=8, max_tokens=10_000,
+                          stopping=Stopping(rule="settled", min_answers=1, agree=1))
+    backend, scorer = PacedBackend(ScriptedModel(answers=3)), ScriptedScorer()
+    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
+    context = runtimes.new_search(config, PROBLEM.id)
+    first = load_program("best_of_n")(PROBLEM, config, runtimes, context)
+    assert first.finish_reason == "settled" and len(context.settled_vote) == 1
+    assert first.answer == context.settled_vote[0]
+    assert {c.answer for c in first.candidates} - {first.answer, None}, "the samples after it would have disagreed"
+    assert not scorer.calls and context.in_flight() == []
+    ended_with_the_search(backend)
+
+
 def test_a_stage_without_a_rule_changes_no_answer():
     base = SearchConfig(n=6, beam_width=2, max_steps=6, max_tokens=10_000)
     plain, plain_backend, _, _ = run("beam_search", base)

@@ -12,7 +12,8 @@ The systems (`SYSTEMS`), by algorithm, with the request pattern each one sends (
   optillm's `majority_voting` plugin stock, and with the project's `\\boxed{}`-first extraction in place of the
   plugin's `extract_final_answer`; sgl-tts `self_consistency`.
 - best-of-N with the PRM: its-hub `BestOfN` with the run's PRM behind its outcome-scorer interface
-  (`its_hub_adapters.ProbeOutcomeRewardModel`); sgl-tts `best_of_n`, score-weighted vote and argmax (`best`).
+  (`its_hub_adapters.ProbeOutcomeRewardModel`); sgl-tts `best_of_n`, score-weighted vote and argmax (`best`),
+  and first to end (`first_to_end`: the first sample to end with an answer is the answer, short-1@n).
 - step search with the PRM: its-hub `BeamSearch` and `ParticleFiltering` with the PRM behind its
   `AbstractProcessRewardModel` (`its_hub_adapters.ProbeProcessRewardModel`), the step token the config's delimiter,
   the stop token `\\boxed` (the system prompt asks for the answer in one), at most `max_steps` steps (its-hub
@@ -53,6 +54,7 @@ from sgl_tts.bench.fasttts import server_counters
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
 from sgl_tts.search.api import SearchConfig
 from sgl_tts.search.grading import answer_at_end, extract_answer, grade, normalize_answer
+from sgl_tts.search.stopping import Stopping
 
 ALGORITHMS = ("self_consistency", "best_of_n", "step_search")
 COUNTERS = {"prompt_tokens": "sglang:prompt_tokens_total", "generated_tokens": "sglang:generation_tokens_total",
@@ -349,11 +351,22 @@ def optillm_solver(boxed: bool) -> Solve:
 # ---- sgl-tts --------------------------------------------------------------------------------------------------
 
 
-def sgl_tts_solver(program: str, selection: str | None = None) -> Solve:
-    """A sgl-tts program in the Session, as `sgl-tts run` solves (`Session.solve`), its own answer and ledger."""
+def first_to_end(stopping: Stopping) -> Stopping:
+    """short-1@n (Hassid et al. 2025, shorter chains preferred): the run's stopping with its vote settled by the
+    first sample to end with an answer, whatever the others will say; the samples still being written are aborted.
+    Sent together, a search's samples end shortest first, and this model's short samples are its right ones more
+    often (docs/stopping.md). The first-step cut (`prune`) stays as the run sets it."""
+    return dataclasses.replace(stopping, rule="settled", min_answers=1, agree=1, programs=())
+
+
+def sgl_tts_solver(program: str, selection: str | None = None,
+                   stopping: Callable[[Stopping], Stopping] | None = None) -> Solve:
+    """A sgl-tts program in the Session, as `sgl-tts run` solves (`Session.solve`), its own answer and ledger;
+    `stopping` makes the system's stopping rules of the run's (`--stopping`)."""
 
     def solve(runtimes: PeerRuntimes, problem: Any, search: SearchConfig) -> Answer:
-        search = dataclasses.replace(search, program=program, selection=selection or search.selection)
+        search = dataclasses.replace(search, program=program, selection=selection or search.selection,
+                                     stopping=stopping(search.stopping) if stopping else search.stopping)
         context = runtimes.session.new_search(problem, search)
         result = runtimes.session.solve(problem, search, context)
         if result.error:
@@ -381,6 +394,9 @@ SYSTEMS = (
            sgl_tts_solver("best_of_n", "weighted"), reference=True),
     System("sgl-tts best_of_n argmax", "sgl-tts", "best_of_n", FORK + ", then one PRM call",
            sgl_tts_solver("best_of_n", "best")),
+    System("sgl-tts best_of_n first to end", "sgl-tts", "best_of_n",
+           FORK + "; the first sample to end with an answer is the answer, the others aborted (short-1@n)",
+           sgl_tts_solver("best_of_n", "weighted", first_to_end)),
     System("its-hub BeamSearch + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_beam_search),
     System("its-hub ParticleFiltering + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_particle_filtering,
            counterpart="sgl-tts dvts"),
