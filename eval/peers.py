@@ -175,12 +175,12 @@ def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def pooled_rows(runs: list[list[dict[str, Any]]], ns: set[int]) -> list[dict[str, Any]]:
     """The latest rows of several runs (e.g. one per seed) at the n in `ns`, each problem named by its run
-    ("r0/<id>", "r1/<id>", ...), so the report pairs the systems by (run, problem)."""
-    pooled = []
-    for index, records in enumerate(runs):
-        pooled += [{**row, "problem_id": f"r{index}/{row['problem_id']}"} for row in latest_rows(records)
-                   if row["n"] in ns]
-    return pooled
+    ("r0/<id>", "r1/<id>", ...), so the report pairs the systems by (run, problem); a system at an n that some run
+    did not measure is left out, so every pooled cell spans the same runs."""
+    rows = [[row for row in latest_rows(records) if row["n"] in ns] for records in runs]
+    in_every_run = set.intersection(*({(row["system"], row["n"]) for row in run} for run in rows)) if rows else set()
+    return [{**row, "problem_id": f"r{index}/{row['problem_id']}"} for index, run in enumerate(rows) for row in run
+            if (row["system"], row["n"]) in in_every_run]
 
 
 def processed_tokens(row: dict[str, Any]) -> float:

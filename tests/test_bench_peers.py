@@ -571,8 +571,10 @@ def test_runs_pooled_pair_the_systems_by_run_and_problem():
             + [record("its-hub SelfConsistency", 2, f"q{i}", c, 2.0) for i, c in enumerate(peer)]
             for mine, peer in zip(ours, theirs)]
     runs[1].append(record("its-hub SelfConsistency", 2, "q0", False, 2.0) | {"failed": True})  # not counted
+    runs[0] += [record("optillm majority_voting", 2, f"q{i}", True, 1.0) for i in range(4)]  # one run only
     cells = {(c["system"], c["n"]): c for c in peers_summary(pooled_rows(runs, {2}))}
-    assert set(cells) == {("sgl-tts self_consistency", 2), ("its-hub SelfConsistency", 2)}, "n = 8 left out"
+    assert set(cells) == {("sgl-tts self_consistency", 2), ("its-hub SelfConsistency", 2)}, \
+        "n = 8 and the system of one run only left out"
     peer = cells[("its-hub SelfConsistency", 2)]
     assert (peer["solved"], peer["trials"]) == (2, 8) and sorted(peer["per_problem"])[:2] == ["r0/q0", "r0/q1"]
     assert peer["vs_reference"]["p_value"] == mcnemar_exact(ours[0] + ours[1], theirs[0] + theirs[1]).p_value
