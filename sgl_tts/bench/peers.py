@@ -362,7 +362,7 @@ def first_to_end(stopping: Stopping) -> Stopping:
 def sgl_tts_solver(program: str, selection: str | None = None,
                    stopping: Callable[[Stopping], Stopping] | None = None) -> Solve:
     """A sgl-tts program in the Session, as `sgl-tts run` solves (`Session.solve`), its own answer and ledger;
-    `stopping` makes the system's stopping rules of the run's (`--stopping`)."""
+    `stopping`, where given, maps the run's stopping rules (`--stopping`) to this system's."""
 
     def solve(runtimes: PeerRuntimes, problem: Any, search: SearchConfig) -> Answer:
         search = dataclasses.replace(search, program=program, selection=selection or search.selection,
