@@ -279,35 +279,23 @@ def test_rules_for_named_programs_stop_those_programs_and_no_other(program):
         Stopping(programs=("best_of_n", " "))
 
 
-def test_best_of_n_sent_at_once_stops_when_two_samples_agree_and_aborts_the_rest():
-    """No stage: the samples go out together, the rule hears them as they end, and once two gave one answer the
-    search answers with it; the samples still on their way are aborted (the paced backend answers one at a time)."""
+@pytest.mark.parametrize("agree", [1, 2])
+def test_best_of_n_sent_at_once_stops_when_samples_agree_and_aborts_the_rest(agree):
+    """No stage: the samples go out together, the rule hears them as they end, and once `agree` gave one answer the
+    search answers with it, whatever the others would say; the samples still on their way are aborted (the paced
+    backend answers one at a time). `agree: 1` is short-1@n: the first sample to end with an answer is the answer."""
     config = SearchConfig(program="best_of_n", n=16, max_tokens=10_000,
-                          stopping=Stopping(rule="settled", consensus=0.1, min_answers=1, agree=2))
+                          stopping=Stopping(rule="settled", consensus=0.1, min_answers=1, agree=agree))
     backend, scorer = PacedBackend(ScriptedModel(answers=3)), ScriptedScorer()
     runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
     context = runtimes.new_search(config, PROBLEM.id)
     settled = load_program("best_of_n")(PROBLEM, config, runtimes, context)
     vote = context.settled_vote
-    assert settled.finish_reason == "settled" and len(vote) <= 4, "three answers, two of them alike, at most"
-    assert collections.Counter(vote).most_common(1)[0][1] == 2 and settled.answer == vote[-1]
-    assert all(max(collections.Counter(vote[:k]).values()) < 2 for k in range(1, len(vote))), "settled at once"
-    assert not scorer.calls and context.in_flight() == []
-    ended_with_the_search(backend)
-
-
-def test_best_of_n_answered_by_the_first_sample_to_end_aborts_the_rest():
-    """short-1@n (`agree: 1`, `min_answers: 1`): the first sample to end with an answer is the search's answer,
-    whatever the others would say; no verifier is called and nothing is left in flight."""
-    config = SearchConfig(program="best_of_n", n=8, max_tokens=10_000,
-                          stopping=Stopping(rule="settled", min_answers=1, agree=1))
-    backend, scorer = PacedBackend(ScriptedModel(answers=3)), ScriptedScorer()
-    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
-    context = runtimes.new_search(config, PROBLEM.id)
-    first = load_program("best_of_n")(PROBLEM, config, runtimes, context)
-    assert first.finish_reason == "settled" and len(context.settled_vote) == 1
-    assert first.answer == context.settled_vote[0]
-    assert {c.answer for c in first.candidates} - {first.answer, None}, "the samples after it would have disagreed"
+    assert settled.finish_reason == "settled" and len(vote) <= 3 * (agree - 1) + 1, \
+        "three answers, `agree` of them alike, at most"
+    assert collections.Counter(vote).most_common(1)[0][1] == agree and settled.answer == vote[-1]
+    assert all(max(collections.Counter(vote[:k]).values()) < agree for k in range(1, len(vote))), "settled at once"
+    assert {c.answer for c in settled.candidates} - {settled.answer, None}, "the samples after it would have disagreed"
     assert not scorer.calls and context.in_flight() == []
     ended_with_the_search(backend)
 
