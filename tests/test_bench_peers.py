@@ -19,7 +19,7 @@ import pytest
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
-                                 first_to_end, measure_problem, optillm_solver, sgl_tts_solver, step_generation,
+                                 first_to_end, first_to_end_uncut, measure_problem, optillm_solver, sgl_tts_solver, step_generation,
                                  vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
 from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
@@ -356,7 +356,7 @@ def test_first_to_end_is_the_runs_stopping_settled_by_the_first_answer(fake):
                             programs=("dvts",))
     assert first_to_end(run_stopping) == Stopping(rule="settled", consensus=0.9, min_answers=1, agree=1, prune=0.99,
                                                   stage=2)
-    search = dataclasses.replace(SEARCH, stopping=Stopping(rule="settled", min_answers=3, agree=3))
+    search = dataclasses.replace(SEARCH, stopping=Stopping(rule="settled", min_answers=3, agree=3, prune=0.01))
     session = ScriptedSession(RunConfig(search=search))
     runtimes = PeerRuntimes(url=fake.url, model="m", prompt=session.search_runtimes.prompt, generator=fake,
                             session=session)
@@ -365,8 +365,14 @@ def test_first_to_end_is_the_runs_stopping_settled_by_the_first_answer(fake):
     (program, result), = session.solved
     assert program == "best_of_n" and session.searches[0].stopping == first_to_end(search.stopping)
     assert result.finish_reason == "settled" and row["answer"] == result.answer
+    assert row["client_requests"]["prm"] > 0, "the first-step cut reads the verifier"
     measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n weighted"), PROBLEM, search, runtimes)
     assert session.searches[1].stopping == search.stopping, "the other sgl-tts systems keep the run's stopping"
+    assert first_to_end_uncut(run_stopping) == dataclasses.replace(first_to_end(run_stopping), prune=0.0)
+    row = measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n first to end (no cut)"), PROBLEM,
+                          search, runtimes)
+    assert session.searches[2].stopping == first_to_end_uncut(search.stopping)
+    assert row["client_requests"]["prm"] == 0, "no verifier call without the first-step cut"
 
 
 # ---- the report -------------------------------------------------------------------------------------------------

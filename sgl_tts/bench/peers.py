@@ -13,7 +13,8 @@ The systems (`SYSTEMS`), by algorithm, with the request pattern each one sends (
   plugin's `extract_final_answer`; sgl-tts `self_consistency`.
 - best-of-N with the PRM: its-hub `BestOfN` with the run's PRM behind its outcome-scorer interface
   (`its_hub_adapters.ProbeOutcomeRewardModel`); sgl-tts `best_of_n`, score-weighted vote and argmax (`best`),
-  and first to end (`first_to_end`: the first sample to end with an answer is the answer, short-1@n).
+  and first to end (`first_to_end`: the first sample to end with an answer is the answer, short-1@n), with the
+  run's first-step cut and without it (`first_to_end_uncut`).
 - step search with the PRM: its-hub `BeamSearch` and `ParticleFiltering` with the PRM behind its
   `AbstractProcessRewardModel` (`its_hub_adapters.ProbeProcessRewardModel`), the step token the config's delimiter,
   the stop token `\\boxed` (the system prompt asks for the answer in one), at most `max_steps` steps (its-hub
@@ -359,6 +360,12 @@ def first_to_end(stopping: Stopping) -> Stopping:
     return dataclasses.replace(stopping, rule="settled", min_answers=1, agree=1, programs=())
 
 
+def first_to_end_uncut(stopping: Stopping) -> Stopping:
+    """`first_to_end` without the first-step cut: no verifier call at all, so nothing but the samples' own decoding
+    stands between the prompt and the answer."""
+    return dataclasses.replace(first_to_end(stopping), prune=0.0)
+
+
 def sgl_tts_solver(program: str, selection: str | None = None,
                    stopping: Callable[[Stopping], Stopping] | None = None) -> Solve:
     """A sgl-tts program in the Session, as `sgl-tts run` solves (`Session.solve`), its own answer and ledger;
@@ -397,6 +404,9 @@ SYSTEMS = (
     System("sgl-tts best_of_n first to end", "sgl-tts", "best_of_n",
            FORK + "; the first sample to end with an answer is the answer, the others aborted (short-1@n)",
            sgl_tts_solver("best_of_n", "weighted", first_to_end)),
+    System("sgl-tts best_of_n first to end (no cut)", "sgl-tts", "best_of_n",
+           FORK + "; the first sample to end with an answer is the answer, the others aborted; no PRM call",
+           sgl_tts_solver("best_of_n", "weighted", first_to_end_uncut)),
     System("its-hub BeamSearch + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_beam_search),
     System("its-hub ParticleFiltering + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_particle_filtering,
            counterpart="sgl-tts dvts"),
