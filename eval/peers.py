@@ -38,6 +38,7 @@ from sgl_tts.bench.peers import ALGORITHMS, SYSTEMS, PeerRuntimes, check_setting
 from sgl_tts.config import ConfigError, load_dataclass
 from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
                                       reach_ratio_interval)
+from sgl_tts.measure.stats import paired_ratio_of_means
 from sgl_tts.measure.summary import median_range
 from sgl_tts.measure.tables import Column, console_table, markdown_table
 from sgl_tts.paths import write_atomic
@@ -226,6 +227,18 @@ def time_ratio_interval(ours: list[dict[str, Any]], cell: dict[str, Any]) -> dic
     return {"low": low, "high": high, "reached": reached, "problems": len(problems)}
 
 
+def paired_time_ratio(peer: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any] | None:
+    """`ours`'s mean wall time over `peer`'s on the problems both ran, with its paired 95% bootstrap interval
+    (`measure.stats.paired_ratio_of_means`); None when they share none."""
+    problems = sorted(peer["per_problem"].keys() & ours["per_problem"].keys())
+    if not problems:
+        return None
+    ratio, low, high = paired_ratio_of_means([peer["per_problem"][p][0] for p in problems],
+                                             [ours["per_problem"][p][0] for p in problems], BOOTSTRAP_RESAMPLES,
+                                             BOOTSTRAP_SEED)
+    return {"ratio": ratio, "low": low, "high": high, "problems": len(problems)}
+
+
 def ratio_text(ratio: float | None, interval: dict[str, Any] | None) -> str:
     """'0.85x [0.71-1.02]'; an end where sgl-tts did not reach the accuracy reads 'unreached'."""
     if ratio is None and interval is None:
@@ -273,7 +286,8 @@ def against_every_point(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     budget, not one algorithm at a time): whether the cell is on its library's Pareto frontier (mean wall time and
     accuracy over all of the library's algorithms and n), sgl-tts's least mean time to its accuracy over its time
     (with the bootstrap interval over the problems) and the sgl-tts cell that takes it, and sgl-tts's most
-    accurate cell within its mean time (`measure.frontier.most_accurate_within`), paired with it. `lead`: the
+    accurate cell within its mean time (`measure.frontier.most_accurate_within`), paired with it, accuracy and time
+    (`within_time`: its mean time over the peer's, on the problems both ran, with the bootstrap interval). `lead`: the
     ratio at most LEAD_TIME_RATIO (`lead_by` "time"), or that cell the more accurate at McNemar p < LEAD_P
     ("accuracy")."""
     ours = [c for c in cells if c["family"] == "sgl-tts"]
@@ -289,10 +303,12 @@ def against_every_point(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             within_index = most_accurate_within(points, cell["mean_wall_s"])
             within = ours[within_index] if within_index is not None else None
             versus = compare_paired(cell["outcomes"], within["outcomes"]) if within is not None else None
+            within_time = paired_time_ratio(cell, within) if within is not None else None
             ahead = bool(versus and versus["pairs"] and versus["difference"] > 0 and versus["p_value"] < LEAD_P)
             faster = ratio is not None and ratio <= LEAD_TIME_RATIO
             rows.append({"cell": cell, "on_front": index in front, "ratio": ratio, "reaching": reaching,
                          "interval": time_ratio_interval(ours, cell), "within": within, "versus": versus,
+                         "within_time": within_time,
                          "lead": faster or ahead,
                          "lead_by": [branch for branch, held in (("time", faster), ("accuracy", ahead)) if held]})
     return rows
@@ -304,20 +320,21 @@ def cell_name(cell: dict[str, Any] | None) -> str:
 
 EVERY_POINT_COLUMNS = ("peer system", "n", "accuracy", "mean s", "on its frontier",
                        "sgl-tts's least time to ≥ acc [95% CI]", "taken by", "sgl-tts's most accurate in ≤ time",
-                       "Δ pt [95% CI], p", "lead")
+                       "its time / the peer's [95% CI]", "Δ pt [95% CI], p", "lead")
 
 
 def every_point_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     table = []
     for row in rows:
-        cell, versus = row["cell"], row["versus"]
+        cell, versus, within_time = row["cell"], row["versus"], row["within_time"]
         compared = "-" if not versus or not versus["pairs"] else (
             f"{100 * versus['difference']:+.1f} [{100 * versus['interval'][0]:+.1f}, "
             f"{100 * versus['interval'][1]:+.1f}], p={versus['p_value']:.3g}")
         table.append([cell["system"], str(cell["n"]), f"{cell['solved']}/{cell['trials']}",
                       f"{cell['mean_wall_s']:.2f}", "yes" if row["on_front"] else "-",
                       ratio_text(row["ratio"], row["interval"]), cell_name(row["reaching"]),
-                      cell_name(row["within"]), compared, ", ".join(row["lead_by"]) or "-"])
+                      cell_name(row["within"]), ratio_text(within_time and within_time["ratio"], within_time), compared,
+                      ", ".join(row["lead_by"]) or "-"])
     return table
 
 

@@ -540,9 +540,14 @@ def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algori
                 best = [r["correct"] for r in sorted(records, key=lambda r: r["problem_id"])
                         if r["system"] == row["within"]["system"] and r["n"] == row["within"]["n"]]
                 assert row["versus"]["p_value"] == mcnemar_exact(theirs, best).p_value
+                their_time = [r["wall_s"] for r in records if r["system"] == cell["system"] and r["n"] == cell["n"]]
+                best_time = [r["wall_s"] for r in records
+                             if r["system"] == row["within"]["system"] and r["n"] == row["within"]["n"]]
+                assert row["within_time"]["ratio"] == pytest.approx(sum(best_time) / sum(their_time))
+                assert row["within_time"]["low"] <= row["within_time"]["ratio"] <= row["within_time"]["high"]
                 ahead = row["within"]["accuracy"] > cell["accuracy"] and row["versus"]["p_value"] < LEAD_P
             else:
-                assert row["within"] is None and row["versus"] is None
+                assert row["within"] is None and row["versus"] is None and row["within_time"] is None
                 ahead = False
             faster = row["ratio"] is not None and row["ratio"] <= LEAD_TIME_RATIO
             assert row["lead"] == (ahead or faster)
@@ -563,7 +568,8 @@ def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algori
     assert "Every peer point against every sgl-tts point" in text
     assert "| its-hub BestOfN + PRM | 4 | 5/10 | 5.00 | yes | 0.40x [" in text
     assert best_of_n["lead_by"] == ["time"] and consistency["lead_by"] == ["accuracy"]
-    assert re.search(r"\| its-hub SelfConsistency \| 1 \| 1/10 .*\| accuracy \|$", text, re.M)
+    assert re.search(r"\| its-hub SelfConsistency \| 1 \| 1/10 .*\| 1.00x \[1.00-1.00\] \| .*\| accuracy \|$", text,
+                     re.M), "the same time problem by problem: the ratio and its interval 1"
     assert [p.name for p in plot_libraries(cells, tmp_path)] == ["peers-libraries-time.png"]
     assert plot_libraries([c for c in cells if c["family"] == "sgl-tts"], tmp_path) == [], "one library: no plot"
 

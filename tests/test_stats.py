@@ -8,7 +8,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from sgl_tts.measure.stats import mcnemar_exact, paired_bootstrap, pool_seeds, wilson_interval
+from sgl_tts.measure.stats import mcnemar_exact, paired_bootstrap, paired_ratio_of_means, pool_seeds, wilson_interval
 
 Z95 = NormalDist().inv_cdf(0.975)
 
@@ -126,6 +126,30 @@ def test_paired_bootstrap_agrees_with_resampling_indices():
 def test_paired_bootstrap_refuses_bad_input(arguments, message):
     with pytest.raises(ValueError, match=message):
         paired_bootstrap(*arguments)
+
+
+def test_paired_ratio_of_means_against_every_resample():
+    """Brute force: the ratio of means over every one of the 4^4 equally likely resamples of 4 problems; the
+    bootstrap's quantiles are those of that exact distribution, within sampling error."""
+    a, b = [1.0, 2.0, 4.0, 3.0], [1.5, 1.0, 4.0, 6.0]
+    ratios = np.array([sum(b[i] for i in picks) / sum(a[i] for i in picks)
+                       for picks in itertools.product(range(4), repeat=4)])
+    exact_low, exact_high = np.quantile(ratios, [0.025, 0.975])
+    ratio, low, high = paired_ratio_of_means(a, b, resamples=40000, seed=3)
+    assert ratio == pytest.approx(12.5 / 10)
+    assert (low, high) == pytest.approx((exact_low, exact_high), abs=0.03)
+    assert paired_ratio_of_means(a, b, 500, seed=1) == paired_ratio_of_means(a, b, 500, seed=1)
+
+
+def test_paired_ratio_of_means_keeps_the_pairs():
+    """b twice a problem by problem: every resample's ratio is 2, however far the problems' costs spread (resampling
+    the arms apart would spread the ratio)."""
+    a = [0.2, 5.0, 1.0, 9.0, 0.7]
+    assert paired_ratio_of_means(a, [2 * x for x in a], resamples=2000) == pytest.approx((2.0, 2.0, 2.0))
+    with pytest.raises(ValueError, match=r"a_costs, b_costs: expected the same problems"):
+        paired_ratio_of_means([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"resamples: expected >= 1"):
+        paired_ratio_of_means([1.0], [1.0], resamples=0)
 
 
 def test_pool_seeds_pairs_by_seed_and_problem():
