@@ -60,6 +60,7 @@ class PeersOptions:
     systems: str | None = None  # comma-separated system names (default: all of the algorithms)
     algorithms: str | None = None  # comma-separated, of ALGORITHMS (default: all)
     ns: str = "1,2,4,8,16"
+    peer_ns: str | None = None  # the n of its-hub's and optillm's systems (default: ns)
     problems: int = 80
     offset: int = 0
     max_steps: int | None = None
@@ -105,13 +106,25 @@ def rotated(items: list[Any], by: int) -> list[Any]:
     return items[by:] + items[:by]
 
 
-def run_order(systems: list[Any], problems: list[Any], ns: list[int]) -> list[tuple[int, Any, Any]]:
-    """(n, problem, system) in run order: n by n, problem by problem, the systems rotated by one per problem."""
-    order = []
-    for n in ns:
-        for index, problem in enumerate(problems):
-            order += [(n, problem, system) for system in rotated(list(systems), index)]
-    return order
+def n_values(text: str, flag: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything but comma-separated whole numbers of at least 1 is refused, naming `flag`."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: expected comma-separated whole numbers of at least 1, e.g. 1,2,4; got {text!r}")
+    return values
+
+
+def run_order(systems: list[Any], problems: list[Any], ns: list[int], peer_ns: list[int] | None = None
+              ) -> list[tuple[int, Any, Any]]:
+    """(n, problem, system) in run order: problem by problem, every arm (a system at an n: sgl-tts's at `ns`, the
+    peers' at `peer_ns`, default `ns`) rotated by one per problem, so that every arm runs beside every other in
+    time, whatever its n, and each runs first in turn."""
+    arms = [(n, system) for n in sorted(set(ns) | set(peer_ns or ())) for system in systems
+            if n in (ns if peer_ns is None or system.family == "sgl-tts" else peer_ns)]
+    return [(n, problem, system) for index, problem in enumerate(problems) for n, system in rotated(arms, index)]
 
 
 def run_peers(options: PeersOptions) -> int:
@@ -126,15 +139,17 @@ def run_peers(options: PeersOptions) -> int:
 
     config = run_config(options)
     systems = systems_named(options.systems, options.algorithms)
-    ns = [int(n) for n in options.ns.split(",")]
+    ns = n_values(options.ns, "--ns")
+    peer_ns = n_values(options.peer_ns, "--peer-ns") if options.peer_ns else None
     problems = list(load_problems(config.dataset.name, limit=options.problems, offset=options.offset))
     done = {(r["system"], r["n"], r["problem_id"]) for r in store.records() if not r.get("failed")}
-    todo = [(n, p, s) for n, p, s in run_order(systems, problems, ns) if (s.name, n, str(p.id)) not in done]
+    todo = [(n, p, s) for n, p, s in run_order(systems, problems, ns, peer_ns) if (s.name, n, str(p.id)) not in done]
     search = config.search
     store.append_run(provenance({"options": dataclasses.asdict(options), "search": dataclasses.asdict(search),
                                  "generator": config.generator.model, "scorer": config.scorer.kind,
                                  "cpu": cpu_summary(), "load_average": os.getloadavg()}))
-    print(f"bench peers: {len(systems)} systems x n in {ns} x {len(problems)} problems; {len(todo)} measurements to "
+    print(f"bench peers: {len(systems)} systems x n in {ns}{f' (peers: {peer_ns})' if peer_ns else ''} x "
+          f"{len(problems)} problems; {len(todo)} measurements to "
           f"go ({len(done)} in {store.path}); temperature {search.temperature}, top_p {search.top_p}, max_tokens "
           f"{search.max_tokens}, steps <= {search.max_steps} x {search.max_step_tokens}, delimiter "
           f"{search.step_delimiter!r}, aggregation {search.aggregation}; {cpu_summary()}", flush=True)

@@ -19,8 +19,8 @@ import pytest
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
-                                 first_to_end, first_to_end_uncut, measure_problem, optillm_solver, sgl_tts_solver, step_generation,
-                                 vote_key)
+                                 first_to_end, first_to_end_ahead, first_to_end_uncut, measure_problem, optillm_solver,
+                                 sgl_tts_solver, step_generation, vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
 from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
                                       reach_ratio_interval)
@@ -373,6 +373,10 @@ def test_first_to_end_is_the_runs_stopping_settled_by_the_first_answer(fake):
                           search, runtimes)
     assert session.searches[2].stopping == first_to_end_uncut(search.stopping)
     assert row["client_requests"]["prm"] == 0, "no verifier call without the first-step cut"
+    assert first_to_end_ahead(run_stopping) == dataclasses.replace(first_to_end(run_stopping), prune_ahead=True)
+    measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n first to end (cut ahead)"), PROBLEM,
+                    search, runtimes)
+    assert session.searches[3].stopping == first_to_end_ahead(search.stopping)
 
 
 # ---- the report -------------------------------------------------------------------------------------------------
@@ -493,8 +497,22 @@ def test_the_summary_pairs_with_the_reference_and_states_the_time_ratio(tmp_path
     systems = SYSTEMS[:3]
     order = run_order(list(systems), ["a", "b", "c", "d"], [1, 2])
     assert Counter(order) == Counter(itertools.product([1, 2], "abcd", systems)) and len(order) == 24
-    firsts = [system for index, (_, _, system) in enumerate(order) if index % 3 == 0]
-    assert Counter(firsts[:3]) == Counter(systems), "each system runs first once in every three problems"
+    for index, problem in enumerate("abcd"):  # problem by problem, every arm of every n beside the others
+        assert {(n, s) for n, p, s in order[6 * index: 6 * index + 6]} == set(itertools.product([1, 2], systems))
+        assert all(p == problem for _, p, _ in order[6 * index: 6 * index + 6])
+    firsts = [(n, system) for index, (n, _, system) in enumerate(order) if index % 6 == 0]
+    assert len(set(firsts)) == 4, "a different arm runs first at each problem"
+    ours, peer = next(s for s in SYSTEMS if s.family == "sgl-tts"), next(s for s in SYSTEMS if s.family != "sgl-tts")
+    order = run_order([peer, ours], ["a", "b", "c"], [2, 3], peer_ns=[1])
+    assert Counter((n, s.name) for n, _, s in order) == Counter({(1, peer.name): 3, (2, ours.name): 3,
+                                                                 (3, ours.name): 3}), "the peers at --peer-ns only"
+    assert [p for _, p, _ in order] == sorted("abc" * 3)
+    from eval.peers import n_values
+
+    assert n_values("16,8", "--ns") == [16, 8]
+    for bad in ("", "1,x", "0,2", "2,,4"):
+        with pytest.raises(ValueError, match=r"--peer-ns: expected comma-separated whole numbers of at least 1"):
+            n_values(bad, "--peer-ns")
 
 
 def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algorithm(tmp_path):

@@ -220,6 +220,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--algorithms", default=None,
                         help="comma-separated: self_consistency, best_of_n, step_search (default: all)")
     parser.add_argument("--ns", default="1,2,4,8,16", help="comma-separated n values")
+    parser.add_argument("--peer-ns", default=None,
+                        help="comma-separated n values of its-hub's and optillm's systems (default: --ns)")
     parser.add_argument("--problems", type=int, default=80, help="problems of the config's dataset")
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None, help="default: the config's")
