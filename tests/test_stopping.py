@@ -4,8 +4,6 @@ best_of_n), and programs/deepconf.py deciding with the same classes. Scripted ba
 
 import collections
 import dataclasses
-import threading
-import time
 
 import pytest
 
@@ -473,88 +471,6 @@ def test_prune_cuts_exactly_the_samples_whose_first_step_scores_below_it(program
     answered = [c for c in pruned.candidates if c.answer is not None]
     method = "majority" if program == "self_consistency" else base.selection
     assert pruned.answer == select(method, [c.answer for c in answered], [c.score for c in answered])
-
-
-class EventsByKey:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._events = {}
-
-    def __getitem__(self, key):
-        with self._lock:
-            return self._events.setdefault(key, threading.Event())
-
-
-class RestsHeldBackend(ScriptedBackend):
-    """A scripted generator whose rests (requests that continue a first step) stay in flight until the verdict on
-    their first step is in: then a kept one is written, a cut one waits to be aborted and is answered 'abort'."""
-
-    def __init__(self, judged, cut_steps):
-        super().__init__()
-        self.rest_sent, self.judged, self.cut_steps = EventsByKey(), judged, cut_steps
-        self.aborts, self.abort_events = [], EventsByKey()
-
-    def abort_request(self, rid):
-        self.aborts.append(rid)
-        self.abort_events[rid].set()
-
-    def _generate(self, s, sampling_params):
-        first = s.text_[len(PROMPT):]
-        if not first:
-            return super()._generate(s, sampling_params)
-        self.rest_sent[first].set()
-        assert self.judged[first].wait(30), "no verdict on the first step"
-        if first not in self.cut_steps:
-            return super()._generate(s, sampling_params)
-        rid, began = self.rid(s), time.perf_counter()
-        assert self.abort_events[rid].wait(30), "a cut sample's rest was not aborted"
-        meta = {"completion_tokens": 0, "prompt_tokens": len(s.text_), "cached_tokens": 0,
-                "finish_reason": {"type": "abort", "message": "aborted"}}
-        self.answered(s, s.text_, began, meta, "")
-        return "", meta
-
-
-class VerdictAfterTheRest(ScriptedScorer):
-    """Scores a first step only once its rest is on its way (a cut that waited for its verdict before sending the
-    rest would never be scored), then tells the generator."""
-
-    def __init__(self, judged):
-        super().__init__()
-        self.judged, self.backend, self.rest_first = judged, None, []
-
-    def score_new_steps(self, prompt, paths, first_new, counts):
-        if [len(steps) for steps in paths] != [1] or list(first_new) != [0]:  # not a first step's verdict
-            return super().score_new_steps(prompt, paths, first_new, counts)
-        (first,), = paths
-        self.rest_first.append(self.backend.rest_sent[first].wait(30))
-        scores = super().score_new_steps(prompt, paths, first_new, counts)
-        self.judged[first].set()
-        return scores
-
-
-def test_prune_ahead_writes_the_rest_while_the_verifier_reads_and_aborts_the_cut_ones():
-    """`prune_ahead`: every rest is sent before its first step's verdict; the cut ones are aborted on the runtime,
-    the kept ones written; the search's candidates and answer are those of the cut without it."""
-    tau = 0.5
-    base = SearchConfig(program="best_of_n", n=12, max_tokens=10_000, stopping=Stopping(prune=tau))
-    waited, _, _, waited_context = run("best_of_n", base)
-    judge = ScriptedScorer()
-    steps = [c.steps[0] for c in waited.candidates]
-    cut_steps = {step for step in steps if judge.step_score(PROMPT, [step]) < tau}
-    assert cut_steps and len(cut_steps) < len(steps), "the test needs samples on both sides of the cut"
-    judged = EventsByKey()
-    backend, scorer = RestsHeldBackend(judged, cut_steps), VerdictAfterTheRest(judged)
-    scorer.backend = backend
-    runtimes = Runtimes(generator=backend, scorer=scorer, prompt=lambda q: PROMPT)
-    config = dataclasses.replace(base, stopping=Stopping(prune=tau, prune_ahead=True))
-    context = runtimes.new_search(config, PROBLEM.id)
-    ahead = load_program("best_of_n")(PROBLEM, config, runtimes, context)
-    assert scorer.rest_first == [True] * len(steps), "each rest went out before its first step was scored"
-    assert len(backend.aborts) == len(cut_steps) == context.extra["pruned_samples"]
-    assert sorted(c.text for c in ahead.candidates) == sorted(c.text for c in waited.candidates)
-    assert ahead.answer == waited.answer and waited_context.extra["pruned_samples"] == len(cut_steps)
-    assert all(c.answer is None and len(c.steps) == 1 for c in ahead.candidates if c.steps[0] in cut_steps)
-    assert not context.in_flight()
 
 
 def test_prune_needs_the_searchs_scorer_and_leaves_step_requests_whole():

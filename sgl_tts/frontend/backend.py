@@ -11,10 +11,7 @@ Where the search cuts samples by their first step (`stopping.prune`, sgl_tts/sea
 writes a whole solution goes in two parts (`generate_sent`): to the first step delimiter, then, unless the
 verifier scored that step below the cut, the rest, its prompt the first part's (in the radix cache) and its token
 limit what is left. The program gets one answer, the two texts and counts joined; a cut sample's answer is its
-first step, finished "abort" as a sample the search aborted is. With `stopping.prune_ahead` the rest is sent at
-once, written while the verifier reads the first step, and aborted on the runtime if the step is cut: the verdict
-leaves the sample's latency, and a cut sample spends the tokens its rest wrote meanwhile. Either way the program
-hears the sample only once the verdict is in.
+first step, finished "abort" as a sample the search aborted is.
 
 `TTSEndpoint` is SGLang's `RuntimeEndpoint` plus this: it adds the request fields in `_add_images`, the hook
 `RuntimeEndpoint` calls on every request body, instead of copying `generate`.
@@ -25,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -115,7 +111,8 @@ class SearchBackend:
             return self.sent(s, lambda: generate_once(s, sampling_params))
         return self.sent(s, lambda: self._generate_in_two(s, sampling_params, generate_once, search, delimiter))
 
-    def _generate_in_two(self, s: Any, params: Any, generate_once: Callable[[Any, Any], tuple[str, dict[str, Any]]],
+    @staticmethod
+    def _generate_in_two(s: Any, params: Any, generate_once: Callable[[Any, Any], tuple[str, dict[str, Any]]],
                          search: Any, delimiter: str) -> tuple[str, dict[str, Any]]:
         prompt = s.text_
         first, meta = generate_once(s, replace(params, stop=[delimiter]))
@@ -123,45 +120,20 @@ class SearchBackend:
         if not (isinstance(reason, dict) and reason.get("type") == "stop" and reason.get("matched") == delimiter):
             return first, meta  # it ended within its first step (or was aborted there)
         first += delimiter  # SGLang trims the stop string; the step keeps it, as `split_steps` does
-        cut = {**meta, "finish_reason": {"type": "abort", "message": PRUNED}}
+        if not search.first_step_kept(prompt, first):
+            return first, {**meta, "finish_reason": {"type": "abort", "message": PRUNED}}
+        if search.stopped is not None:  # stopped while the step was scored: the rest would be refused
+            return first, {**meta, "finish_reason": {"type": "abort", "message": search.stopped}}
         limit = params.max_new_tokens
         left = None if limit is None else limit - int(meta.get("completion_tokens", 0))
         if left is not None and left <= 0:
-            return first, cut if not search.first_step_kept(prompt, first) else {
-                **meta, "finish_reason": {"type": "length", "length": limit}}
-        verdicts = rest_answered = verdict = None
-        if search.stopping.prune_ahead:
-            rest_answered = threading.Event()
-            verdicts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-step")
-            verdict = verdicts.submit(self._first_step_judged, search, prompt, first, self.rid(s), rest_answered)
-        elif not search.first_step_kept(prompt, first):
-            return first, cut
-        elif search.stopped is not None:  # stopped while the step was scored: the rest would be refused
-            return first, {**meta, "finish_reason": {"type": "abort", "message": search.stopped}}
+            return first, {**meta, "finish_reason": {"type": "length", "length": limit}}
         s.text_ = prompt + first  # the rest's prompt; only this state's worker thread reads it while it runs
         try:
             rest, rest_meta = generate_once(s, replace(params, max_new_tokens=left))
         finally:
             s.text_ = prompt
-            if verdicts is not None:
-                rest_answered.set()
-                verdicts.shutdown(wait=False)
-        if verdict is not None and not verdict.result():
-            return first, cut
         return first + rest, joined_meta(meta, rest_meta)
-
-    def _first_step_judged(self, search: Any, prompt: str, first: str, rid: str, rest_answered: threading.Event
-                           ) -> bool:
-        """`prune_ahead`: the verifier's verdict on a first step whose rest is being written as request `rid`; a cut
-        aborts the rest, again until it is answered (a runtime ignores an abort of a rid it has not seen yet)."""
-        kept = search.first_step_kept(prompt, first)
-        while not kept and not rest_answered.is_set():
-            self.abort_request(rid)
-            rest_answered.wait(0.5)
-        return kept
-
-    def abort_request(self, rid: str) -> None:
-        """Abort request `rid` on the runtime (a scripted backend answers at once: nothing to abort)."""
 
     def answered(self, s: Any, text: str, began: float, meta: dict[str, Any], output: str = "") -> None:
         """A standard request for `text`, sent at perf_counter() `began`, answered with `output` and `meta`."""
@@ -213,14 +185,6 @@ class TTSEndpoint(SearchBackend, RuntimeEndpoint):
 
     def commit_lazy_operations(self, s: Any) -> None:
         self.sent(s, lambda: self._call(super(TTSEndpoint, self).commit_lazy_operations, s))
-
-    def abort_request(self, rid: str) -> None:
-        from sgl_tts.runtime.server import abort_requests
-
-        try:
-            abort_requests(self.runtime, [rid])
-        except OSError:
-            pass  # a runtime that is gone has nothing to abort; the rest's own request reports the failure
 
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
         try:

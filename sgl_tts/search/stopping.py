@@ -81,7 +81,6 @@ class Stopping:
     probe_tokens: int = 8  # live: greedy tokens a probe may write before its closing brace
     steady: int = 1  # live: a path's answer is cast once its last `steady` probes (its ancestors' too) agree
     prune: float = 0.0  # a whole-solution sample whose first step the verifier scores below this is cut (0: none)
-    prune_ahead: bool = False  # prune: the rest is written while the verifier reads the first step, aborted if cut
     programs: tuple[str, ...] = ()  # the programs these rules stop (by `search.program`; empty: every program)
 
     def __post_init__(self) -> None:
