@@ -19,7 +19,7 @@ import pytest
 from sgl_tts.app.session import RunConfig, Session
 from sgl_tts.bench.fasttts import read_counters
 from sgl_tts.bench.peers import (COUNTERS, SYSTEMS, PeerRuntimes, answer_key, check_settings, counter_delta,
-                                 first_to_end, first_to_end_ahead, first_to_end_uncut, measure_problem, optillm_solver,
+                                 first_to_end, first_to_end_uncut, measure_problem, optillm_solver,
                                  sgl_tts_solver, step_generation, vote_key)
 from sgl_tts.frontend.backend import SYSTEM_PROMPT
 from sgl_tts.measure.frontier import (cheapest_reaching, cost_to_reach, most_accurate_within, pareto_front,
@@ -373,10 +373,6 @@ def test_first_to_end_is_the_runs_stopping_settled_by_the_first_answer(fake):
                           search, runtimes)
     assert session.searches[2].stopping == first_to_end_uncut(search.stopping)
     assert row["client_requests"]["prm"] == 0, "no verifier call without the first-step cut"
-    assert first_to_end_ahead(run_stopping) == dataclasses.replace(first_to_end(run_stopping), prune_ahead=True)
-    measure_problem(next(s for s in SYSTEMS if s.name == "sgl-tts best_of_n first to end (cut ahead)"), PROBLEM,
-                    search, runtimes)
-    assert session.searches[3].stopping == first_to_end_ahead(search.stopping)
 
 
 # ---- the report -------------------------------------------------------------------------------------------------

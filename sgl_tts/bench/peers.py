@@ -366,12 +366,6 @@ def first_to_end_uncut(stopping: Stopping) -> Stopping:
     return dataclasses.replace(first_to_end(stopping), prune=0.0)
 
 
-def first_to_end_ahead(stopping: Stopping) -> Stopping:
-    """`first_to_end` with the rest of each sample written while the verifier reads its first step
-    (`prune_ahead`): the verdict leaves the samples' latency."""
-    return dataclasses.replace(first_to_end(stopping), prune_ahead=True)
-
-
 def sgl_tts_solver(program: str, selection: str | None = None,
                    stopping: Callable[[Stopping], Stopping] | None = None) -> Solve:
     """A sgl-tts program in the Session, as `sgl-tts run` solves (`Session.solve`), its own answer and ledger;
@@ -413,9 +407,6 @@ SYSTEMS = (
     System("sgl-tts best_of_n first to end (no cut)", "sgl-tts", "best_of_n",
            FORK + "; the first sample to end with an answer is the answer, the others aborted; no PRM call",
            sgl_tts_solver("best_of_n", "weighted", first_to_end_uncut)),
-    System("sgl-tts best_of_n first to end (cut ahead)", "sgl-tts", "best_of_n",
-           FORK + "; each sample's rest written while the PRM reads its first step; the first to end with an answer "
-           "is the answer, the others aborted", sgl_tts_solver("best_of_n", "weighted", first_to_end_ahead)),
     System("its-hub BeamSearch + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_beam_search),
     System("its-hub ParticleFiltering + PRM", "its-hub", "step_search", ITS_HUB_STEPS, its_hub_particle_filtering,
            counterpart="sgl-tts dvts"),
