@@ -1,4 +1,5 @@
-"""Statistics for accuracy: intervals of one arm, and paired comparisons of two arms on the same problems.
+"""Statistics for accuracy: intervals of one arm, and paired comparisons of two arms on the same problems (their
+accuracy, and the ratio of their mean costs, e.g. wall time).
 
 Two arms run on the same problems are compared pair by pair (McNemar's exact test, a paired bootstrap): the
 problems shared by both cancel out, so a difference shows with far fewer problems than two separate intervals
