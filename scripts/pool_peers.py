@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eval.peers import (COLUMNS, EVERY_POINT_COLUMNS, RESULTS, against_every_point, every_point_rows, peers_summary,
-                        pooled_rows, table_rows)
+from eval.peers import (COLUMNS, EVERY_POINT_COLUMNS, RESULTS, against_every_point, every_point_rows, n_values,
+                        peers_summary, pooled_rows, table_rows)
 from eval.results import ResultStore
 from sgl_tts.measure.tables import markdown_table
 
@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("outs", nargs="+", type=Path, help="`--out` folders of bench peers runs")
     parser.add_argument("--ns", required=True, help="comma-separated n that every run measured")
     args = parser.parse_args()
-    ns = {int(n) for n in args.ns.split(",")}
+    ns = set(n_values(args.ns, "--ns"))
     cells = peers_summary(pooled_rows([ResultStore(out / RESULTS).records() for out in args.outs], ns))
     print(markdown_table(COLUMNS, table_rows(cells)))
     print()
