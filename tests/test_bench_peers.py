@@ -607,6 +607,30 @@ def test_runs_pooled_pair_the_systems_by_run_and_problem():
     assert peer["vs_reference"]["pairs"] == 8
 
 
+def test_the_pooling_script_reads_every_run_and_draws_the_pooled_frontiers(tmp_path, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    from eval.peers import RESULTS
+    from eval.results import ResultStore
+
+    outs = []
+    for run, (mine, peer) in enumerate([([True, True, False], [False, True, False]), ([True, False, True],
+                                                                                     [False, False, False])]):
+        store = ResultStore(tmp_path / f"s{run}" / RESULTS)
+        for i, (c_mine, c_peer) in enumerate(zip(mine, peer)):
+            store.append(record("sgl-tts best_of_n weighted", 2, f"q{i}", c_mine, 1.0))
+            store.append(record("its-hub BestOfN + PRM", 2, f"q{i}", c_peer, 2.0))
+        outs.append(str(tmp_path / f"s{run}"))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pool_peers.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--ns", "2", *outs, "--plot", str(tmp_path / "pooled")])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert re.search(r"\| its-hub BestOfN \+ PRM \| 2 \| 1/6 \|", out), "the peer's cell spans both runs: 1 of 6"
+    assert re.search(r"\(4/6\)", out), "sgl-tts's cell: 4 of 6"
+    assert (tmp_path / "pooled" / "peers-libraries-time.png").stat().st_size > 0
+
+
 def test_the_cli_reaches_the_peers_bench(tmp_path, capsys):
     from sgl_tts.cli import main
 
