@@ -434,6 +434,9 @@ def accuracy_axes(ax: Any, cost_label: str) -> None:
     ax.grid(alpha=0.3, which="both")
 
 
+TOKENS_AXIS = "processed tokens per problem (generated + uncached prompt, generator + PRM)"
+
+
 def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy vs mean wall time and vs processed tokens per problem: one panel per algorithm, one curve per
     system over n (log x), Wilson error bars, the points on the system's Pareto frontier filled. [] without
@@ -445,8 +448,7 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     written = []
     algorithms = [a for a in ALGORITHMS if any(c["algorithm"] == a for c in cells)]
     for key, label, name in (("mean_wall_s", "wall time per problem, s (client)", "peers-time.png"),
-                             ("processed_tokens", "processed tokens per problem (generated + uncached prompt, "
-                                                  "generator + PRM)", "peers-tokens.png")):
+                             ("processed_tokens", TOKENS_AXIS, "peers-tokens.png")):
         fig = Figure(figsize=(5.2 * max(1, len(algorithms)), 4.2))
         for column, algorithm in enumerate(algorithms):
             ax = fig.add_subplot(1, len(algorithms), column + 1)
@@ -478,9 +480,14 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
+LIBRARY_AXES = (("mean_wall_s", "wall time per problem, s (client, mean)", "peers-libraries-time.png"),
+                 ("processed_tokens", TOKENS_AXIS, "peers-libraries-tokens.png"))
+
+
 def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Accuracy vs mean wall time per problem, one colour per library: every point of it (system and n), its
-    Pareto frontier over all its algorithms drawn as a line. [] without matplotlib or with one library only."""
+    """Accuracy vs mean wall time and vs processed tokens per problem, one colour per library: every point of it
+    (system and n), its Pareto frontier over all its algorithms drawn as a line. [] without matplotlib or with one
+    library only."""
     families = list(dict.fromkeys(c["family"] for c in cells))
     if len(families) < 2:
         return []
@@ -488,27 +495,30 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         from matplotlib.figure import Figure
     except ImportError:
         return []
-    fig = Figure(figsize=(8.0, 5.2))
-    ax = fig.add_subplot(1, 1, 1)
-    for index, family in enumerate(sorted(families, key=lambda f: f != "sgl-tts")):
-        theirs = [c for c in cells if c["family"] == family]
-        x = [max(c["mean_wall_s"], 1e-9) for c in theirs]
-        y = [100 * c["accuracy"] for c in theirs]
-        ax.plot(x, y, linestyle="none", marker="o", markerfacecolor="none", color=f"C{index}", alpha=0.6)
-        for c, xi, yi in zip(theirs, x, y):
-            short = c["system"].removeprefix(family).strip()
-            ax.annotate(f"{short} {c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 2), fontsize=5,
-                        color=f"C{index}")
-        front = pareto_front(list(zip(x, y)))
-        ax.step([x[i] for i in front], [y[i] for i in front], where="post", marker="o", color=f"C{index}",
-                linestyle="-" if family == "sgl-tts" else "--", label=f"{family}: frontier over its algorithms")
-    accuracy_axes(ax, "wall time per problem, s (client, mean)")
-    ax.set_title("each library's Pareto frontier over all its algorithms and n", fontsize=9)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path = out / "peers-libraries-time.png"
-    fig.savefig(path, dpi=120)
-    return [path]
+    written = []
+    for key, label, name in LIBRARY_AXES:
+        fig = Figure(figsize=(8.0, 5.2))
+        ax = fig.add_subplot(1, 1, 1)
+        for index, family in enumerate(sorted(families, key=lambda f: f != "sgl-tts")):
+            theirs = [c for c in cells if c["family"] == family]
+            x = [max(c[key], 1e-9) for c in theirs]
+            y = [100 * c["accuracy"] for c in theirs]
+            ax.plot(x, y, linestyle="none", marker="o", markerfacecolor="none", color=f"C{index}", alpha=0.6)
+            for c, xi, yi in zip(theirs, x, y):
+                short = c["system"].removeprefix(family).strip()
+                ax.annotate(f"{short} {c['n']}", (xi, yi), textcoords="offset points", xytext=(3, 2), fontsize=5,
+                            color=f"C{index}")
+            front = pareto_front(list(zip(x, y)))
+            ax.step([x[i] for i in front], [y[i] for i in front], where="post", marker="o", color=f"C{index}",
+                    linestyle="-" if family == "sgl-tts" else "--", label=f"{family}: frontier over its algorithms")
+        accuracy_axes(ax, label)
+        ax.set_title("each library's Pareto frontier over all its algorithms and n", fontsize=9)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    return written
 
 
 def report(records: list[dict[str, Any]], out: Path, headers: list[dict[str, Any]] | None = None) -> int:

@@ -584,7 +584,8 @@ def test_every_peer_point_is_set_against_every_sgl_tts_point_whatever_the_algori
     assert best_of_n["lead_by"] == ["time"] and consistency["lead_by"] == ["accuracy"]
     assert re.search(r"\| its-hub SelfConsistency \| 1 \| 1/10 .*\| 1.00x \[1.00-1.00\] \| .*\| accuracy \|$", text,
                      re.M), "the same time problem by problem: the ratio and its interval 1"
-    assert [p.name for p in plot_libraries(cells, tmp_path)] == ["peers-libraries-time.png"]
+    assert [p.name for p in plot_libraries(cells, tmp_path)] == ["peers-libraries-time.png",
+                                                             "peers-libraries-tokens.png"]
     assert plot_libraries([c for c in cells if c["family"] == "sgl-tts"], tmp_path) == [], "one library: no plot"
 
 
@@ -628,7 +629,8 @@ def test_the_pooling_script_reads_every_run_and_draws_the_pooled_frontiers(tmp_p
     out = capsys.readouterr().out
     assert re.search(r"\| its-hub BestOfN \+ PRM \| 2 \| 1/6 \|", out), "the peer's cell spans both runs: 1 of 6"
     assert re.search(r"\(4/6\)", out), "sgl-tts's cell: 4 of 6"
-    assert (tmp_path / "pooled" / "peers-libraries-time.png").stat().st_size > 0
+    assert all((tmp_path / "pooled" / name).stat().st_size > 0
+               for name in ("peers-libraries-time.png", "peers-libraries-tokens.png"))
 
 
 def test_the_cli_reaches_the_peers_bench(tmp_path, capsys):
