@@ -2,7 +2,7 @@
 the pooled lines: the systems at each n, and every peer point against every sgl-tts point (`eval/peers.py`); a
 system at an n that not every run measured is left out. `--plot DIR` draws each library's frontier over the pooled
 points into DIR: peers-libraries-time.png (against wall time) and peers-libraries-tokens.png (processed tokens).
-Pairs of one problem under two seeds are not independent, so the pooled p overstates the certainty.
+Pairs of one problem under several seeds are not independent, so the pooled p overstates the certainty.
 
     .venv/bin/python scripts/pool_peers.py --ns 1,2,4 bench-peers-s0 bench-peers-s1 [--plot pooled]
 """
