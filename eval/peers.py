@@ -434,7 +434,9 @@ def accuracy_axes(ax: Any, cost_label: str) -> None:
     ax.grid(alpha=0.3, which="both")
 
 
-TOKENS_AXIS = "processed tokens per problem (generated + uncached prompt, generator + PRM)"
+COST_AXES = (("mean_wall_s", "wall time per problem, s (client, mean)", "time"),
+             ("processed_tokens", "processed tokens per problem (generated + uncached prompt, generator + PRM)",
+              "tokens"))  # (cell key, axis label, file name suffix) of the frontier plots' two costs
 
 
 def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -447,8 +449,7 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         return []
     written = []
     algorithms = [a for a in ALGORITHMS if any(c["algorithm"] == a for c in cells)]
-    for key, label, name in (("mean_wall_s", "wall time per problem, s (client)", "peers-time.png"),
-                             ("processed_tokens", TOKENS_AXIS, "peers-tokens.png")):
+    for key, label, suffix in COST_AXES:
         fig = Figure(figsize=(5.2 * max(1, len(algorithms)), 4.2))
         for column, algorithm in enumerate(algorithms):
             ax = fig.add_subplot(1, len(algorithms), column + 1)
@@ -474,14 +475,10 @@ def plot_frontiers(cells: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.set_title(algorithm, fontsize=9)
             ax.legend(fontsize=6)
         fig.tight_layout()
-        path = out / name
+        path = out / f"peers-{suffix}.png"
         fig.savefig(path, dpi=110)
         written.append(path)
     return written
-
-
-LIBRARY_AXES = (("mean_wall_s", "wall time per problem, s (client, mean)", "peers-libraries-time.png"),
-                 ("processed_tokens", TOKENS_AXIS, "peers-libraries-tokens.png"))
 
 
 def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -496,7 +493,7 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     except ImportError:
         return []
     written = []
-    for key, label, name in LIBRARY_AXES:
+    for key, label, suffix in COST_AXES:
         fig = Figure(figsize=(8.0, 5.2))
         ax = fig.add_subplot(1, 1, 1)
         for index, family in enumerate(sorted(families, key=lambda f: f != "sgl-tts")):
@@ -515,7 +512,7 @@ def plot_libraries(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_title("each library's Pareto frontier over all its algorithms and n", fontsize=9)
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
-        path = out / name
+        path = out / f"peers-libraries-{suffix}.png"
         fig.savefig(path, dpi=120)
         written.append(path)
     return written
