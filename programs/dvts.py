@@ -3,7 +3,9 @@
 The prompt is forked n times; the n first steps are dealt into n / M subtrees of M = beam_width (in text
 order, so a search does not depend on which request the server finished first). From then on each subtree
 keeps only its best-scoring child and forks it M times for the next step; a subtree ends when its best
-child has finished. Nothing is compared across subtrees until the end, which keeps them diverse (Beeching
+child has finished. Where the search gets fewer children than it asked for (a budget's narrowing, or
+`stopping.enough` beneath it), the first steps are dealt evenly into at most that many subtrees and each
+subtree picks from the children its beam got. Nothing is compared across subtrees until the end, which keeps them diverse (Beeching
 et al., search-and-learn; FastTTS §3.1 "diverse selection"). The candidates are the n / M subtree paths.
 """
 
@@ -23,10 +25,11 @@ def subtree_count(config: SearchConfig) -> int:
 def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, tracker: SearchContext,
                  finished: list[ReasoningPath]):
     s += prompt
-    subtrees, width = subtree_count(config), config.beam_width
-    firsts = sorted(expand([(ReasoningPath(state=s), subtrees * width)], config, tracker, extract_answer),
-                    key=lambda path: path.text)
-    children_of = {i: firsts[i * width:(i + 1) * width] for i in range(subtrees)}
+    width = config.beam_width
+    firsts = sorted(expand([(ReasoningPath(state=s), subtree_count(config) * width)], config, tracker,
+                           extract_answer), key=lambda path: path.text)
+    subtrees = min(subtree_count(config), len(firsts))
+    children_of = {i: firsts[i * len(firsts) // subtrees:(i + 1) * len(firsts) // subtrees] for i in range(subtrees)}
     beams: list[ReasoningPath | None] = [None] * subtrees
     for iteration in range(config.max_steps):
         if iteration > 0:
@@ -34,7 +37,7 @@ def dvts_program(s, prompt: str, config: SearchConfig, runtimes: Runtimes, track
             if not growing:
                 break
             children = expand([(beams[i], width) for i in growing], config, tracker, extract_answer)
-            children_of = {i: children[k * width:(k + 1) * width] for k, i in enumerate(growing)}
+            children_of = {i: [child for child in children if child.parent == k] for k, i in enumerate(growing)}
         tracker.score(runtimes.scorer, prompt, [child for group in children_of.values() for child in group])
         for i, group in children_of.items():
             beams[i] = min(group, key=lambda child: rank_key(child, config.aggregation))  # greedy: best child

@@ -280,3 +280,18 @@ def test_a_served_search_past_its_token_budget_answers_with_finish_reason_length
     assert whole.model_extra["sgl_tts"]["finish_reason"] == "complete"
     assert whole.usage.completion_tokens > reply.usage.completion_tokens
     assert service.snapshot()["failed"] == 0
+
+
+def test_a_narrowed_dvts_keeps_each_subtree_on_its_own_children():
+    """Narrowed, each DVTS subtree gets one child a step: every subtree still grows its own path, one step an
+    iteration (the children are grouped by their parent, not by the count the program asked for)."""
+    config = SearchConfig(n=8, beam_width=2, max_steps=30, max_tokens=100_000,
+                          budget=Budget(deadline_s=10.0, narrow_below=0.5))
+    result, backend, scorer, _ = search("dvts", config, ScriptedModel(answer_depth=100))
+    assert result.finish_reason == "deadline" and result.error is None
+    assert [len(call) for call in scorer.calls] == [8] * 6 + [2] * 4
+    assert len(backend.requests) == 8 * 6 + 4 * 4
+    assert len(result.candidates) == 4 and sorted(c.extra["subtree"] for c in result.candidates) == [0, 1, 2, 3]
+    assert {len(c.steps) for c in result.candidates} == {10}
+    firsts = {c.steps[0] for c in result.candidates}
+    assert len(firsts) == 4, "each subtree keeps a first step of its own"
