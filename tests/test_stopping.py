@@ -497,3 +497,50 @@ def test_prune_keeps_the_last_sample_when_it_would_cut_them_all():
     alone, backend, _, context = run("best_of_n", dataclasses.replace(config, n=1))
     assert len(backend.requests) == 1 and context.verifier_calls == 1, "one sample: sent whole, scored once"
     assert len(alone.candidates[0].steps) > 1 and "pruned_samples" not in context.extra
+
+
+def first_wave_reference(n, waves, tau):
+    """Brute force for `enough` on a search's first step: the prompt's children in the order they are sent
+    (variant 0, 1, ...), a wave of ceil(n / waves) at a time, up to the first wave with a child whose step the
+    verifier scores at least tau; their step texts."""
+    model, judge, size = ScriptedModel(), ScriptedScorer(), -(-n // waves)
+    steps = []
+    for variant in range(n):
+        text, ending = model.step(PROMPT, variant)
+        steps.append(text + ("\n\n" if ending == "step" else ""))
+    for end in range(size, n + size, size):
+        if any(judge.step_score(PROMPT, [step]) >= tau for step in steps[end - size:end]):
+            return steps[:end]
+    return steps
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts"])
+@pytest.mark.parametrize("tau", [0.5, 0.97, 0.9999])  # content after the first wave, the third, never
+def test_enough_sends_a_parents_children_until_the_verifier_is_content_with_one(program, tau):
+    config = SearchConfig(program=program, n=8, beam_width=2, max_steps=1, max_tokens=10_000,
+                          stopping=Stopping(enough=tau, waves=4))
+    result, backend, scorer, context = run(program, config)
+    sent = first_wave_reference(8, 4, tau)
+    assert len(backend.requests) == len(sent) and context.extra.get("children_not_sent", 0) == 8 - len(sent)
+    firsts = sorted(step for c in result.candidates for step in c.steps[:1])
+    if program == "beam_search":  # every child of the step is a candidate
+        assert firsts == sorted(sent)
+    else:  # each subtree's best child, the subtrees dealt from the children sent
+        assert set(firsts) <= set(sent) and len(firsts) == min(4, len(sent))
+    decided = len(sent) // 2 if len(sent) < 8 else 3  # after each wave but the last of the four
+    assert [len(call) for call in scorer.calls] == [2] * decided + [len(sent)], "then the program scores them all"
+
+
+@pytest.mark.parametrize("program", ["beam_search", "dvts"])
+def test_enough_that_is_never_met_changes_no_answer(program):
+    base = SearchConfig(program=program, n=8, beam_width=2, max_steps=6, max_tokens=10_000)
+    plain, plain_backend, _, _ = run(program, base)
+    plain, _, _, plain_context = run(program, base)
+    waved, backend, scorer, context = run(program, dataclasses.replace(base, stopping=Stopping(enough=1.0)))
+    assert [(c.text, c.score) for c in waved.candidates] == [(c.text, c.score) for c in plain.candidates]
+    assert waved.answer == plain.answer and len(backend.requests) == len(plain_backend.requests)
+    assert context.extra["children_not_sent"] == 0 and context.verifier_calls > plain_context.verifier_calls
+    with pytest.raises(ValueError, match="stopping.enough"):
+        Stopping(enough=1.5)
+    with pytest.raises(ValueError, match="stopping.waves"):
+        Stopping(waves=0)

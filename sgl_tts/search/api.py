@@ -7,6 +7,7 @@ A program file in `programs/` composes these pieces inside an `@sgl.function`; s
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -256,7 +257,8 @@ def expand(parents: Sequence[tuple[ReasoningPath, int]], config: SearchConfig, t
     for parent, _ in parents:  # the children's requests belong to this search, whichever thread forks them
         bind_search(parent.state, tracker)
     extension = tracker.extension
-    if extension is not None and not logprobs and not narrow:  # speculative text carries no logprobs
+    if extension is not None and not logprobs and not narrow and not tracker.sends_in_waves:  # speculative text
+        # carries no logprobs, and its head starts are not sent a wave at a time
         children = extension.expand(parents, config, tracker, extract_answer)
     else:
         children = expand_plainly(parents, config, tracker, extract_answer, logprobs)
@@ -349,9 +351,41 @@ def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchC
                    extract_answer: Callable[[str], str | None], logprobs: int = 0) -> list[ReasoningPath]:
     """`expand` without an extension. Each parent is synced (`text()`) before its fork so the shared prefix
     is committed and pre-sent to the radix cache (docs/sglang.md). When the search stops while the children
-    are generated, the children answered so far become its frontier before SearchStopped is raised."""
+    are generated, the children answered so far become its frontier before SearchStopped is raised.
+
+    With `stopping.enough` (`SearchContext.sends_in_waves`) each parent's children go in waves of ceil(k /
+    `stopping.waves`); after each wave the verifier scores the wave's new steps, and a parent with a child it is
+    content with (`SearchContext.content_parents`) sends no more. The children come back in (parent order, wave
+    order)."""
+    left = {index: count for index, (_, count) in enumerate(parents)}
+    wave_size = {index: math.ceil(count / tracker.stopping.waves) if tracker.sends_in_waves else count
+                 for index, count in left.items()}
+    children: list[ReasoningPath] = []
+    while left:
+        wave = {index: min(wave_size[index], count) for index, count in left.items()}
+        grown, stopped = grow_children(parents, wave, config, tracker, extract_answer, logprobs)
+        children += grown
+        if stopped is not None:
+            tracker.frontier = sorted(children, key=lambda child: child.parent) or tracker.frontier
+            raise stopped
+        left = {index: count - wave[index] for index, count in left.items() if count > wave[index]}
+        if left:
+            content = tracker.content_parents([child for child in grown if child.parent in left])
+            tracker.extra["children_not_sent"] = (tracker.extra.get("children_not_sent", 0)
+                                                  + sum(left.get(index, 0) for index in content))
+            left = {index: count for index, count in left.items() if index not in content}
+    return sorted(children, key=lambda child: child.parent)  # stable: each parent's in the order they were sent
+
+
+def grow_children(parents: Sequence[tuple[ReasoningPath, int]], counts: dict[int, int], config: SearchConfig,
+                  tracker: SearchContext, extract_answer: Callable[[str], str | None], logprobs: int
+                  ) -> tuple[list[ReasoningPath], SearchStopped | None]:
+    """Fork `counts[i]` children of parents[i] for each i in `counts`, all concurrently, and generate one step in
+    each: the children whose step was generated and, when the search stopped meanwhile, why (the refused
+    children are left out)."""
     pending = []
-    for index, (parent, count) in enumerate(parents):
+    for index, count in counts.items():
+        parent = parents[index][0]
         parent.state.text()
         for fork in parent.state.fork(count):
             fork += step_gen(config, parent, logprobs=logprobs)
@@ -369,10 +403,7 @@ def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchC
             child.extra["token_confidences"] = list(parent.extra["token_confidences"])
         append_step(child, fork["step"], meta, config, tracker, extract_answer)
         children.append(child)
-    if stopped is not None:
-        tracker.frontier = children or tracker.frontier
-        raise stopped
-    return children
+    return children, stopped
 
 
 def append_step(path: ReasoningPath, text: str, meta: dict[str, Any], config: SearchConfig, tracker: SearchContext,
@@ -534,6 +565,7 @@ def run_search(program: Any, problem: Any, name: str, config: SearchConfig, runt
         raise ValueError(f"{name} needs a scorer: set 'scorer' in the config")
     tracker = start_search(runtimes, config, problem.id, context)
     prompt = runtimes.prompt(problem.question)
+    tracker.prompt = prompt
     finished: list[ReasoningPath] = []
     try:
         try:

@@ -77,7 +77,8 @@ class SearchContext:
                  clock: Callable[[], float] = time.monotonic,
                  on_stop: Callable[["SearchContext"], None] | None = None, scorer: StepScorer | None = None):
         self.config = config
-        self.scorer = scorer  # the search's verifier, for `stopping.prune`'s first-step scores
+        self.scorer = scorer  # the search's verifier, for `stopping.prune`'s and `stopping.enough`'s scores
+        self.prompt: str | None = None  # the problem's prompt (`run_search`), which `stopping.enough` scores after
         self.label = label
         self.seed = seed
         self.outer: SearchContext | None = running_search()
@@ -339,6 +340,21 @@ class SearchContext:
             if not kept:
                 self.extra["pruned_samples"] = cut + 1
         return kept
+
+    @property
+    def sends_in_waves(self) -> bool:
+        """`stopping.enough`: whether `expand` sends each parent's children a wave at a time, and no more once the
+        verifier is content with one of them; it needs the search's verifier and its prompt."""
+        return self.stopping.enough > 0 and self.scorer is not None and self.prompt is not None
+
+    def content_parents(self, children: Sequence[Any]) -> set[int]:
+        """`stopping.enough`: the parents (`parent` indices) of `children` with a child whose newest step the
+        verifier scores at least `enough` (one verifier call of the search, timed and counted as `score`'s are; the
+        children's own scores are left to the program's scoring)."""
+        if not children:
+            return set()
+        scored, _ = self._verifier_call(self.scorer, self.prompt, [child.steps for child in children])
+        return {child.parent for child, scores in zip(children, scored.scores) if scores[-1] >= self.stopping.enough}
 
     def unsure(self, path: Any) -> bool:
         """Whether the confidence rule stops the live `path` (its confidence so far is below the threshold)."""

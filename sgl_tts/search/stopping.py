@@ -41,6 +41,14 @@ samples is never cut once the other n - 1 were, so the search has an answer. The
 the final scoring finds the first step's score in its memo. It needs the search's scorer; without one nothing is
 cut.
 
+`enough` τ > 0 stops sending a step's children once the verifier is content (the sufficiency test of adaptive
+sampling, per parent): `expand` sends each parent's children in at most `waves` waves (ceil(k / waves) children a
+wave), the verifier scores each wave's new steps, and a parent with a child whose new step scores at least τ sends
+no more children in this step. The program gets the children that were sent: fewer where the verifier was content
+(as under a budget's narrowing), and a parent always gets its first wave. Where a beam search's or DVTS's first
+step is most of its tokens (`docs/stopping.md`), no rule that decides between steps can save more than the steps
+after it; this one saves inside the step. It needs the search's scorer; without one every child is sent at once.
+
 `programs` limits the rules to the programs named (a config tuned for best-of-N, run with another program, stops
 nothing). `stage` staggers any program beneath it: at most `stage` of the search's generator requests are in flight,
 the others wait in the order they were sent and go out as earlier ones end (`SearchContext.request_sent`), so the
@@ -81,6 +89,8 @@ class Stopping:
     probe_tokens: int = 8  # live: greedy tokens a probe may write before its closing brace
     steady: int = 1  # live: a path's answer is cast once its last `steady` probes (its ancestors' too) agree
     prune: float = 0.0  # a whole-solution sample whose first step the verifier scores below this is cut (0: none)
+    enough: float = 0.0  # a parent sends no more children in a step once one's new step scores this (0: all at once)
+    waves: int = 4  # enough: a parent's children in a step are sent in at most this many waves
     programs: tuple[str, ...] = ()  # the programs these rules stop (by `search.program`; empty: every program)
 
     def __post_init__(self) -> None:
@@ -90,13 +100,16 @@ class Stopping:
             raise FieldValueError("reads", f"stopping.reads must be one of {', '.join(READS)}, got {self.reads!r}")
         if not self.answer_cue.strip():
             raise FieldValueError("answer_cue", "stopping.answer_cue must not be empty")
-        for name in ("top_k", "window", "warmup", "min_answers", "agree", "top", "probe_tokens", "steady"):
+        for name in ("top_k", "window", "warmup", "min_answers", "agree", "top", "probe_tokens", "steady", "waves"):
             if getattr(self, name) < 1:
                 raise FieldValueError(name, f"stopping.{name} must be at least 1, got {getattr(self, name)}")
         if self.stage < 0:
             raise FieldValueError("stage", f"stopping.stage must be 0 (no limit) or more, got {self.stage}")
         if not 0 <= self.prune < 1:
             raise FieldValueError("prune", f"stopping.prune must be in [0, 1) (0: cut nothing), got {self.prune}")
+        if not 0 <= self.enough <= 1:
+            raise FieldValueError("enough", f"stopping.enough must be in [0, 1] (0: send every child at once), "
+                                            f"got {self.enough}")
         for name in ("keep_fraction", "consensus"):
             if not 0 < getattr(self, name) <= 1:
                 raise FieldValueError(name, f"stopping.{name} must be in (0, 1], got {getattr(self, name)}")
