@@ -188,6 +188,37 @@ def test_every_program_stops_at_its_limits(backend, program, limits):
         assert all(c.tokens == config.max_tokens for c in result.candidates), "paths run up to the token cap"
 
 
+@pytest.mark.parametrize("fewer", ["enough", "narrowed"])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_every_program_takes_fewer_children_than_it_asked_for(program, fewer):
+    """Beneath `stopping.enough` or a budget's narrowing `expand` returns fewer children than a program asked for;
+    every program still ends with a well-formed result, and a step program writes fewer tokens than without."""
+    from sgl_tts.search.budget import Budget
+    from sgl_tts.search.stopping import Stopping
+
+    plain_config = Backend("fake", None).config(program)
+    setting = ({"stopping": Stopping(enough=0.3)} if fewer == "enough"
+               else {"budget": Budget(deadline_s=1e9, narrow_below=1.0)})  # slack below 1 from the first step on
+    results = []
+    for config in (plain_config, dataclasses.replace(plain_config, **setting)):
+        runtimes = Runtimes(generator=ScriptedBackend(ScriptedModel()), scorer=ScriptedScorer(),
+                            prompt=lambda question: PROMPT)
+        results.append(solve(program, config, runtimes))
+    plain, narrowed = results
+    assert narrowed.error is None and narrowed.finish_reason == "complete" and narrowed.candidates
+    for c in narrowed.candidates:
+        assert 1 <= len(c.steps) <= plain_config.max_steps and c.finish_reason in FINISH_REASONS
+        scored = 0 if program == "self_consistency" else len(c.steps)
+        if fewer == "enough":
+            assert len(c.step_scores) == scored
+        else:  # a narrowed verifier call scores the better half of its paths; the others keep the scores they had
+            assert len(c.step_scores) <= scored
+    if program in ("best_of_n", "self_consistency"):  # whole samples: no step is expanded
+        assert narrowed.generated_tokens == plain.generated_tokens
+    else:
+        assert narrowed.generated_tokens < plain.generated_tokens
+
+
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_answer_that_never_appears_is_a_clean_no_answer(backend, program):
     runtimes, _ = backend.runtimes(NEVER_ANSWERS)
