@@ -5,8 +5,9 @@ order, so a search does not depend on which request the server finished first). 
 keeps only its best-scoring child and forks it M times for the next step; a subtree ends when its best
 child has finished. Where the search gets fewer children than it asked for (a budget's narrowing, or
 `stopping.enough` beneath it), the first steps are dealt evenly into at most that many subtrees and each
-subtree picks from the children its beam got. Nothing is compared across subtrees until the end, which keeps them diverse (Beeching
-et al., search-and-learn; FastTTS §3.1 "diverse selection"). The candidates are the n / M subtree paths.
+subtree picks from the children its beam got. Nothing is compared across subtrees until the end, which keeps
+them diverse (Beeching et al., search-and-learn; FastTTS §3.1 "diverse selection"). The candidates are the n / M
+subtree paths.
 """
 
 from __future__ import annotations

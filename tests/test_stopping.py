@@ -499,15 +499,19 @@ def test_prune_keeps_the_last_sample_when_it_would_cut_them_all():
     assert len(alone.candidates[0].steps) > 1 and "pruned_samples" not in context.extra
 
 
+def written_step(text, variant):
+    """(the step the scripted model writes after `text` as a path keeps it, how it ends): the delimiter it stopped
+    at is put back, as `append_step` does."""
+    step, ending = ScriptedModel().step(text, variant)
+    return step + ("" if ending == "eos" else "\n\n"), ending
+
+
 def first_wave_reference(n, waves, tau):
     """Brute force for `enough` on a search's first step: the prompt's children in the order they are sent
     (variant 0, 1, ...), a wave of ceil(n / waves) at a time, up to the first wave with a child whose step the
     verifier scores at least tau; their step texts."""
-    model, judge, size = ScriptedModel(), ScriptedScorer(), -(-n // waves)
-    steps = []
-    for variant in range(n):
-        text, ending = model.step(PROMPT, variant)
-        steps.append(text + ("\n\n" if ending == "step" else ""))
+    judge, size = ScriptedScorer(), -(-n // waves)
+    steps = [written_step(PROMPT, variant)[0] for variant in range(n)]
     for end in range(size, n + size, size):
         if any(judge.step_score(PROMPT, [step]) >= tau for step in steps[end - size:end]):
             return steps[:end]
@@ -531,11 +535,27 @@ def test_enough_sends_a_parents_children_until_the_verifier_is_content_with_one(
     assert [len(call) for call in scorer.calls] == [2] * decided + [len(sent)], "then the program scores them all"
 
 
+def test_enough_decides_for_each_parent_on_its_own_children():
+    """A beam search's second step, brute force: each beam sends its two children one at a time, the second only
+    when the verifier scores the first below tau."""
+    tau = 0.85
+    config = SearchConfig(program="beam_search", n=8, beam_width=2, max_steps=2, max_tokens=10_000,
+                          stopping=Stopping(enough=tau, waves=4))
+    result, backend, _, context = run("beam_search", config)
+    judge = ScriptedScorer()
+    firsts = first_wave_reference(8, 4, tau)
+    beams = [step for variant, step in enumerate(firsts) if written_step(PROMPT, variant)[1] == "step"]
+    second = [1 if judge.step_score(PROMPT, [beam, written_step(PROMPT + beam, 0)[0]]) >= tau else 2 for beam in beams]
+    assert len(beams) == 2 and sorted(second) == [1, 2], "the test needs a beam on each side of tau"
+    second = sum(second)
+    assert len(backend.requests) == len(firsts) + second
+    assert context.extra["children_not_sent"] == (8 - len(firsts)) + (2 * len(beams) - second)
+
+
 @pytest.mark.parametrize("program", ["beam_search", "dvts"])
 def test_enough_that_is_never_met_changes_no_answer(program):
     base = SearchConfig(program=program, n=8, beam_width=2, max_steps=6, max_tokens=10_000)
-    plain, plain_backend, _, _ = run(program, base)
-    plain, _, _, plain_context = run(program, base)
+    plain, plain_backend, _, plain_context = run(program, base)
     waved, backend, scorer, context = run(program, dataclasses.replace(base, stopping=Stopping(enough=1.0)))
     assert [(c.text, c.score) for c in waved.candidates] == [(c.text, c.score) for c in plain.candidates]
     assert waved.answer == plain.answer and len(backend.requests) == len(plain_backend.requests)
