@@ -372,7 +372,7 @@ def expand_plainly(parents: Sequence[tuple[ReasoningPath, int]], config: SearchC
         if left:
             content = tracker.content_parents([child for child in grown if child.parent in left])
             tracker.extra["children_not_sent"] = (tracker.extra.get("children_not_sent", 0)
-                                                  + sum(left.get(index, 0) for index in content))
+                                                  + sum(left[index] for index in content))
             left = {index: count for index, count in left.items() if index not in content}
     return sorted(children, key=lambda child: child.parent)  # stable: each parent's in the order they were sent
 
